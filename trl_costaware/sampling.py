@@ -1,0 +1,297 @@
+"""The cost-aware sampling core: pure torch, no trainer in sight.
+
+Notation (ALGORITHM.md §1–2). A generation batch holds N rollouts; rollout i has a gradient-norm proxy
+g_i = |A_i| (its advantage) and a cost c_i (tokens). We keep m < N rows for the policy update, drawn from a
+distribution p, and weight each kept row so that
+
+    (1/m) Σ_kept w_i L_i   is unbiased for   (1/N) Σ_all L_i.
+
+Every function here is deterministic given its inputs and the `torch.Generator` the caller passes in; none
+reads global RNG state, and none returns NaN or infinity for any finite-or-NaN input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+PROXIES = ("advantage", "uniform", "inverse_sqrt_cost", "inverse_cost")
+COST_KINDS = ("prompt_completion", "completion")
+DRAW_SCHEMES = ("systematic", "multinomial")
+WEIGHT_NORMALIZATIONS = ("none", "recenter", "self_normalize")
+
+# Costs are clamped to at least one token: an empty completion still costs a forward position, and a zero cost
+# would make g/√c infinite.
+MIN_COST = 1.0
+
+
+def sequence_costs(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, kind: str = "prompt_completion"):
+    """Per-row cost in tokens, from attention masks.
+
+    c_i = Σ_t prompt_mask[i, t] + Σ_t completion_mask[i, t]   (kind="prompt_completion")
+    c_i = Σ_t completion_mask[i, t]                           (kind="completion")
+
+    clamped to `MIN_COST` (1 token) so that c_i > 0 always. Returns a float tensor of shape (N,).
+    """
+    if kind not in COST_KINDS:
+        raise ValueError(f"cost kind must be one of {COST_KINDS}, got {kind!r}")
+    costs = completion_mask.sum(-1).float()
+    if kind == "prompt_completion":
+        costs = costs + prompt_mask.sum(-1).float()
+    return costs.clamp(min=MIN_COST)
+
+
+def _clean(x: torch.Tensor) -> torch.Tensor:
+    return torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def gradient_proxy(advantages: torch.Tensor) -> torch.Tensor:
+    """The paper's gradient-norm proxy g_i = |A_i|. NaN advantages (unscorable rows) give g_i = 0."""
+    return _clean(advantages).abs()
+
+
+def sampling_scores(advantages: torch.Tensor, costs: torch.Tensor, proxy: str = "advantage") -> torch.Tensor:
+    """Unnormalised sampling scores s_i (the distribution is q_i = s_i / Σ_j s_j).
+
+    - "advantage":          s_i = |A_i| / √c_i    (the method: p* ∝ G_i/√c_i with G_i ≈ |A_i|)
+    - "uniform":            s_i = 1               (ablation: plain subsampling)
+    - "inverse_sqrt_cost":  s_i = 1 / √c_i        (ablation: cost only, G_i assumed equal)
+    - "inverse_cost":       s_i = 1 / c_i         (ablation: the popular summary; no gain when G_i are equal)
+
+    Rows with A_i = 0 (or NaN) get s_i = 0 under "advantage": they carry no policy gradient.
+    """
+    if proxy not in PROXIES:
+        raise ValueError(f"proxy must be one of {PROXIES}, got {proxy!r}")
+    costs = _clean(costs).clamp(min=MIN_COST)
+    if proxy == "advantage":
+        return gradient_proxy(advantages) / costs.sqrt()
+    if proxy == "uniform":
+        return torch.ones_like(costs)
+    if proxy == "inverse_sqrt_cost":
+        return costs.rsqrt()
+    return costs.reciprocal()
+
+
+def sampling_distribution(scores: torch.Tensor, alpha: float = 0.0) -> torch.Tensor:
+    """Smoothed sampling distribution p = (1 − α) q + α u, with q_i = s_i / Σ_j s_j and u_i = 1/N.
+
+    Degenerate inputs: NaN, infinite or negative scores count as 0; if every score is 0 (e.g. all advantages
+    are zero), q is uniform. The result is a float64 probability vector: p_i ≥ 0, Σ p_i = 1.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
+    s = _clean(scores).double().clamp(min=0.0)
+    n = s.numel()
+    if n == 0:
+        raise ValueError("cannot build a sampling distribution over zero rows")
+    uniform = torch.full_like(s, 1.0 / n)
+    total = s.sum()
+    q = s / total if total > 0 else uniform
+    p = (1.0 - alpha) * q + alpha * uniform
+    return p / p.sum()
+
+
+def inclusion_probabilities(p: torch.Tensor, m: int) -> torch.Tensor:
+    """First-order inclusion probabilities for a fixed-size draw of m rows without replacement.
+
+    π_i = min(1, m p_i), with the mass cut off at 1 re-spread over the uncapped rows in proportion to p, repeated
+    until no π_i exceeds 1, so that Σ π_i = m and 0 ≤ π_i ≤ 1. When fewer than m rows have p_i > 0, those rows get
+    π_i = 1 and the remaining mass is spread evenly over the p_i = 0 rows (they are needed to keep the row count;
+    with A_i = 0 they add nothing to the policy loss).
+    """
+    n = p.numel()
+    if not 0 < m <= n:
+        raise ValueError(f"m must satisfy 0 < m <= N={n}, got {m}")
+    p = _clean(p).double().clamp(min=0.0)
+    pi = torch.zeros_like(p)
+    capped = torch.zeros(n, dtype=torch.bool, device=p.device)
+    while True:
+        free = ~capped
+        left = m - int(capped.sum())
+        mass = p[free].sum()
+        if mass > 0:
+            pi[free] = left * p[free] / mass
+        else:
+            pi[free] = left / int(free.sum())
+        over = free & (pi >= 1.0)
+        if not over.any():
+            break
+        capped |= over
+        pi[capped] = 1.0
+    return pi.clamp(0.0, 1.0)
+
+
+@dataclass
+class Draw:
+    """A draw of m rows. `indices` may repeat (multinomial); `weights[k]` belongs to `indices[k]`."""
+
+    indices: torch.Tensor  # (m,) long
+    weights: torch.Tensor  # (m,) float64, the unbiasing weights before normalisation
+    probabilities: torch.Tensor  # (N,) p or π, the design the weights came from
+
+
+def draw_multinomial(p: torch.Tensor, m: int, generator: torch.Generator | None = None) -> Draw:
+    """m i.i.d. draws from p (with replacement), Hansen–Hurwitz weights w = 1 / (N p_i) per draw.
+
+    E[(1/m) Σ_k w_{i_k} L_{i_k}] = Σ_i p_i L_i / (N p_i) = (1/N) Σ_i L_i.
+    """
+    n = p.numel()
+    if m <= 0:
+        raise ValueError(f"m must be positive, got {m}")
+    p = p.double()
+    idx = torch.multinomial(p.float().cpu(), m, replacement=True, generator=generator).to(p.device)
+    weights = 1.0 / (n * p[idx])
+    return Draw(indices=idx, weights=weights, probabilities=p)
+
+
+def draw_systematic(p: torch.Tensor, m: int, generator: torch.Generator | None = None) -> Draw:
+    """Fixed-size systematic PPS draw of m distinct rows, Horvitz–Thompson weights w_i = m / (N π_i).
+
+    π = inclusion_probabilities(p, m); with one uniform u ∈ [0, 1), row i is kept when an integer-offset point
+    u + k (k = 0..m−1) falls in (Π_{i−1}, Π_i], Π the cumulative sum of π. Each row is kept with probability
+    exactly π_i, so E[(1/m) Σ_kept w_i L_i] = (1/m) Σ_i π_i m L_i / (N π_i) = (1/N) Σ_i L_i. The row order is
+    randomly permuted first so that which rows end up together does not depend on their order in the batch.
+    """
+    n = p.numel()
+    pi = inclusion_probabilities(p, m)
+    perm = torch.randperm(n, generator=generator).to(pi.device)
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    cum = torch.cumsum(pi[perm], 0)
+    cum = cum * (m / cum[-1])  # Σπ = m exactly, so the last point u + m − 1 < m always lands
+    points = u + torch.arange(m, dtype=torch.float64, device=pi.device)
+    pos = torch.searchsorted(cum, points, right=True).clamp(max=n - 1)
+    idx = perm[pos]
+    weights = m / (n * pi[idx])
+    return Draw(indices=idx, weights=weights, probabilities=pi)
+
+
+def draw_rows(p: torch.Tensor, m: int, scheme: str = "systematic", generator: torch.Generator | None = None) -> Draw:
+    """Dispatch to `draw_systematic` (without replacement) or `draw_multinomial` (with replacement)."""
+    if scheme == "systematic":
+        return draw_systematic(p, m, generator)
+    if scheme == "multinomial":
+        return draw_multinomial(p, m, generator)
+    raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
+
+
+@dataclass
+class WeightStats:
+    mean: float
+    min: float
+    max: float
+    ess: float  # effective sample size (Σw)² / Σw²
+    ess_fraction: float  # ESS / number of weights
+    frac_floored: float
+    frac_capped: float
+
+    def as_dict(self, prefix: str = "") -> dict[str, float]:
+        return {f"{prefix}{k}": float(v) for k, v in self.__dict__.items()}
+
+
+def effective_sample_size(w: torch.Tensor) -> float:
+    """ESS = (Σ w)² / Σ w²; 0 for an all-zero weight vector."""
+    w = w.double()
+    sq = (w * w).sum()
+    return float(w.sum() ** 2 / sq) if sq > 0 else 0.0
+
+
+def normalize_weights(
+    weights: torch.Tensor,
+    method: str = "none",
+    floor: float | None = None,
+    cap: float | None = None,
+) -> tuple[torch.Tensor, WeightStats]:
+    """Normalise importance weights over the kept set (pass the weights of *all* ranks for a global normalisation).
+
+    - "none":            w̃ = w                     (unbiased)
+    - "recenter":        w̃ = w − mean(w) + 1       (mean 1; can go negative, hence the floor)
+    - "self_normalize":  w̃ = w / mean(w)           (mean 1; ratio estimator, slightly biased)
+
+    then w̃ ← max(w̃, floor) if floor is set and w̃ ← min(w̃, cap) if cap is set. The floor also applies when a
+    recentred weight would be negative; the fraction of weights moved by the floor and by the cap is reported.
+    Returns (w̃, stats); non-finite inputs are treated as 0.
+    """
+    if method not in WEIGHT_NORMALIZATIONS:
+        raise ValueError(f"weight normalisation must be one of {WEIGHT_NORMALIZATIONS}, got {method!r}")
+    w = _clean(weights).double()
+    if w.numel() == 0:
+        return w, WeightStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    mean = w.mean()
+    if method == "recenter":
+        w = w - mean + 1.0
+    elif method == "self_normalize":
+        w = w / mean if mean > 0 else torch.ones_like(w)
+    floored = torch.zeros_like(w, dtype=torch.bool)
+    capped = torch.zeros_like(w, dtype=torch.bool)
+    if floor is not None:
+        floored = w < floor
+        w = w.clamp(min=floor)
+    if cap is not None:
+        capped = w > cap
+        w = w.clamp(max=cap)
+    ess = effective_sample_size(w)
+    stats = WeightStats(
+        mean=float(w.mean()),
+        min=float(w.min()),
+        max=float(w.max()),
+        ess=ess,
+        ess_fraction=ess / w.numel(),
+        frac_floored=float(floored.double().mean()),
+        frac_capped=float(capped.double().mean()),
+    )
+    return w, stats
+
+
+def j_ratio_ideal(g: torch.Tensor, c: torch.Tensor) -> float:
+    """Best cost ratio the theory allows against uniform sampling (Cauchy–Schwarz):
+
+        J(p*)/J(u) = (Σ_i g_i √c_i)² / ((Σ_i g_i²)(Σ_i c_i))   ∈ (0, 1].
+
+    All-zero g (nothing to learn from the batch) returns 1.0: no sampler beats uniform there.
+    """
+    g = _clean(g).double().abs()
+    c = _clean(c).double().clamp(min=MIN_COST)
+    denom = (g * g).sum() * c.sum()
+    if denom <= 0:
+        return 1.0
+    return float(((g * c.sqrt()).sum() ** 2 / denom).clamp(max=1.0))
+
+
+def j_ratio_achieved(g: torch.Tensor, c: torch.Tensor, p: torch.Tensor) -> float:
+    """Cost ratio of sampling from p against uniform, J(p)/J(u), with J(p) = (Σ_i g_i²/p_i)(Σ_i p_i c_i).
+
+    J(u) = (Σ g_i²)(Σ c_i). Terms with g_i = 0 contribute 0 to S(p) whatever p_i; g_i > 0 with p_i = 0 makes the
+    estimator biased and J infinite: that is reported as `math.inf`, never NaN. All-zero g returns 1.0.
+    """
+    g = _clean(g).double().abs()
+    c = _clean(c).double().clamp(min=MIN_COST)
+    p = _clean(p).double().clamp(min=0.0)
+    p = p / p.sum() if p.sum() > 0 else torch.full_like(p, 1.0 / p.numel())
+    g2 = g * g
+    if g2.sum() <= 0:
+        return 1.0
+    if bool(((g2 > 0) & (p <= 0)).any()):
+        return math.inf
+    pos = g2 > 0
+    s = (g2[pos] / p[pos]).sum()
+    cost = (p * c).sum()
+    return float(s * cost / (g2.sum() * c.sum()))
+
+
+def kept_row_count(n: int, kept_fraction: float, multiple_of: int = 1) -> int:
+    """m = round(kept_fraction · N) rounded down to a multiple of `multiple_of` (so every micro-step gets the same
+    number of rows), and at least `multiple_of`. Requires N to be a multiple of `multiple_of`."""
+    if n % multiple_of:
+        raise ValueError(f"N={n} must be a multiple of {multiple_of}")
+    m = int(round(kept_fraction * n))
+    m = (m // multiple_of) * multiple_of
+    return max(multiple_of, min(m, n))
+
+
+def kept_rows_for_token_budget(p: torch.Tensor, costs: torch.Tensor, budget: float, n_max: int) -> int:
+    """Number of draws whose expected cost fits a token budget: m = floor(budget / Σ_i p_i c_i), in [1, n_max]."""
+    expected = float((p.double() * _clean(costs).double()).sum())
+    m = int(budget // expected) if expected > 0 else n_max
+    return max(1, min(m, n_max))
