@@ -6,4 +6,7 @@ __version__ = "0.1.0"
 
 check_trl_version()
 
-__all__ = ["TESTED_TRL_RANGE", "check_trl_version", "__version__"]
+from .config import CostAwareGRPOConfig  # noqa: E402
+from .trainer import CostAwareGRPOTrainer  # noqa: E402
+
+__all__ = ["TESTED_TRL_RANGE", "CostAwareGRPOConfig", "CostAwareGRPOTrainer", "__version__", "check_trl_version"]

@@ -285,7 +285,7 @@ def kept_row_count(n: int, kept_fraction: float, multiple_of: int = 1) -> int:
     number of rows), and at least `multiple_of`. Requires N to be a multiple of `multiple_of`."""
     if n % multiple_of:
         raise ValueError(f"N={n} must be a multiple of {multiple_of}")
-    m = int(round(kept_fraction * n))
+    m = round(kept_fraction * n)
     m = (m // multiple_of) * multiple_of
     return max(multiple_of, min(m, n))
 

@@ -1,0 +1,187 @@
+"""`CostAwareGRPOConfig`: `GRPOConfig` plus the fields of Cost-Aware GRPO."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
+
+
+def resolve_cost_fn(spec) -> Callable | None:
+    """Return the user cost callable for `cost_aware_cost`, or None for a built-in kind.
+
+    `spec` is one of `COST_KINDS`, a callable `fn(prompt_mask, completion_mask) -> Tensor[N]`, or an import path
+    `"package.module:function"` naming such a callable (usable from YAML and the command line).
+    """
+    if callable(spec):
+        return spec
+    if spec in COST_KINDS:
+        return None
+    if isinstance(spec, str) and ":" in spec:
+        module_name, _, attr = spec.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"cost_aware_cost={spec!r}: cannot import {attr!r} from module {module_name!r}") from err
+        if not callable(fn):
+            raise ValueError(f"cost_aware_cost={spec!r} does not name a callable")
+        return fn
+    raise ValueError(
+        f"cost_aware_cost must be one of {COST_KINDS}, a callable fn(prompt_mask, completion_mask) -> costs, or an "
+        f"import path 'module:function'; got {spec!r}"
+    )
+
+
+@dataclass
+class CostAwareGRPOConfig(GRPOConfig):
+    r"""
+    Configuration class for [`CostAwareGRPOTrainer`].
+
+    Inherits every parameter of [`trl.GRPOConfig`] and adds the fields of Cost-Aware GRPO (Mohri, Globerson, Kaplan,
+    Koren, Mansour, "Cost-Aware Learning", arXiv 2604.28020): after each generation batch is scored, only
+    `cost_aware_kept_fraction` of its rows are used for the policy update, drawn with probability ∝ |A_i| / √c_i
+    (advantage over the square root of the row's token cost), and re-weighted so that the loss stays an unbiased
+    estimate of the full-batch GRPO loss.
+
+    The defaults are provisional: they are chosen from the benchmarks in `BENCHMARKS.md` on a tiny model and task,
+    and may change as larger runs are measured.
+
+    Parameters:
+        cost_aware (`bool`, defaults to `True`):
+            Switch. With `False` the trainer behaves exactly like `GRPOTrainer` but still logs the token counters.
+        cost_aware_kept_fraction (`float`, defaults to `0.5`):
+            Fraction m/N of each rank's generation batch kept for the policy update, rounded down to a multiple of
+            `steps_per_generation` (at least one row per micro-step).
+        cost_aware_token_budget (`int` or `None`, defaults to `None`):
+            If set, replaces the kept fraction: each generation batch keeps as many rows as the expected token cost
+            of the draw allows (tokens per rank per generation batch); all ranks use the smallest such count.
+        cost_aware_proxy (`str`, defaults to `"advantage"`):
+            Sampling score: `"advantage"` (|A|/√c, the method), `"uniform"`, `"inverse_sqrt_cost"` (1/√c),
+            `"inverse_cost"` (1/c; an ablation, no gain when gradient norms are equal).
+        cost_aware_cost (`str` or callable, defaults to `"prompt_completion"`):
+            Row cost c_i: `"prompt_completion"` (non-padding prompt + completion tokens), `"completion"`, a callable
+            `fn(prompt_mask, completion_mask) -> Tensor[N]` (e.g. a FLOPs model), or `"module:function"`.
+        cost_aware_smoothing (`float`, defaults to `0.1`):
+            Mix α with the uniform distribution: p = (1 − α) q + α/N. Bounds the weights by 1/α.
+        cost_aware_draw (`str`, defaults to `"systematic"`):
+            `"systematic"` (fixed size, without replacement, Horvitz–Thompson weights) or `"multinomial"` (with
+            replacement, Hansen–Hurwitz weights; duplicates are trained twice).
+        cost_aware_weight_normalization (`str`, defaults to `"none"`):
+            `"none"` (unbiased), `"recenter"` (w − mean + 1), `"self_normalize"` (w / mean); the mean is over the
+            kept rows of all ranks.
+        cost_aware_weight_floor (`float` or `None`, defaults to `None`):
+            Lower clamp for the weights (≥ 0; `"recenter"` uses 0 when unset, since weights must stay non-negative).
+        cost_aware_weight_cap (`float` or `None`, defaults to `None`):
+            Upper clamp for the weights (> floor).
+        cost_aware_group_by_length (`bool`, defaults to `False`):
+            Put kept rows of similar length in the same micro-batch (less padding); micro-batch order stays random.
+        cost_aware_seed (`int` or `None`, defaults to `None`):
+            Seed of the sampler's generator (offset by the process index); `None` uses `seed`.
+    """
+
+    cost_aware: bool = field(
+        default=True,
+        metadata={"help": "Train on a cost-aware sample of each generation batch. False: plain GRPO (counters kept)."},
+    )
+    cost_aware_kept_fraction: float = field(
+        default=0.5,
+        metadata={
+            "help": "Fraction m/N of each rank's generation batch kept for the policy update, rounded down to a "
+            "multiple of steps_per_generation (at least one row per micro-step). In (0, 1]."
+        },
+    )
+    cost_aware_token_budget: int | None = field(
+        default=None,
+        metadata={
+            "help": "If set, replaces cost_aware_kept_fraction: tokens per rank per generation batch for the policy "
+            "update; the number of kept rows is the budget over the expected cost of a draw (smallest over ranks)."
+        },
+    )
+    cost_aware_proxy: str = field(
+        default="advantage",
+        metadata={
+            "help": "Sampling score: 'advantage' (|A|/sqrt(c), the method), 'uniform', 'inverse_sqrt_cost' (1/sqrt(c)) "
+            "or 'inverse_cost' (1/c, an ablation).",
+            "choices": list(PROXIES),
+        },
+    )
+    cost_aware_cost: str = field(
+        default="prompt_completion",
+        metadata={
+            "help": "Row cost: 'prompt_completion' (non-padding prompt+completion tokens), 'completion', or an import "
+            "path 'module:function' to fn(prompt_mask, completion_mask) -> Tensor[N] (a callable also works in Python)."
+        },
+    )
+    cost_aware_smoothing: float = field(
+        default=0.1,
+        metadata={"help": "Uniform smoothing alpha in [0, 1]: p = (1 - alpha) q + alpha / N. Bounds weights by 1/alpha."},
+    )
+    cost_aware_draw: str = field(
+        default="systematic",
+        metadata={
+            "help": "'systematic' (fixed size without replacement, Horvitz-Thompson weights) or 'multinomial' (with "
+            "replacement, Hansen-Hurwitz weights).",
+            "choices": list(DRAW_SCHEMES),
+        },
+    )
+    cost_aware_weight_normalization: str = field(
+        default="none",
+        metadata={
+            "help": "'none' (unbiased), 'recenter' (w - mean + 1, floored) or 'self_normalize' (w / mean); the mean "
+            "is over the kept rows of all ranks.",
+            "choices": list(WEIGHT_NORMALIZATIONS),
+        },
+    )
+    cost_aware_weight_floor: float | None = field(
+        default=None,
+        metadata={"help": "Lower clamp for importance weights (>= 0). 'recenter' uses 0 when unset."},
+    )
+    cost_aware_weight_cap: float | None = field(
+        default=None,
+        metadata={"help": "Upper clamp for importance weights (> floor). None: no cap."},
+    )
+    cost_aware_group_by_length: bool = field(
+        default=False,
+        metadata={"help": "Group kept rows of similar length into the same micro-batch to cut padding."},
+    )
+    cost_aware_seed: int | None = field(
+        default=None,
+        metadata={"help": "Seed of the sampler's torch.Generator (plus the process index). None: use `seed`."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 < self.cost_aware_kept_fraction <= 1.0:
+            raise ValueError(f"cost_aware_kept_fraction must be in (0, 1], got {self.cost_aware_kept_fraction}")
+        if self.cost_aware_token_budget is not None and self.cost_aware_token_budget <= 0:
+            raise ValueError(
+                f"cost_aware_token_budget must be a positive number of tokens or None, got {self.cost_aware_token_budget}"
+            )
+        if self.cost_aware_proxy not in PROXIES:
+            raise ValueError(f"cost_aware_proxy must be one of {PROXIES}, got {self.cost_aware_proxy!r}")
+        resolve_cost_fn(self.cost_aware_cost)  # raises with the allowed values
+        if not 0.0 <= self.cost_aware_smoothing <= 1.0:
+            raise ValueError(f"cost_aware_smoothing must be in [0, 1], got {self.cost_aware_smoothing}")
+        if self.cost_aware_draw not in DRAW_SCHEMES:
+            raise ValueError(f"cost_aware_draw must be one of {DRAW_SCHEMES}, got {self.cost_aware_draw!r}")
+        if self.cost_aware_weight_normalization not in WEIGHT_NORMALIZATIONS:
+            raise ValueError(
+                f"cost_aware_weight_normalization must be one of {WEIGHT_NORMALIZATIONS}, "
+                f"got {self.cost_aware_weight_normalization!r}"
+            )
+        # A negative weight would flip the sign of a row's advantage, which is not a reweighting of TRL's clipped
+        # surrogate (only positive factors commute with it), so weights are kept non-negative.
+        if self.cost_aware_weight_floor is not None and self.cost_aware_weight_floor < 0:
+            raise ValueError(f"cost_aware_weight_floor must be >= 0 or None, got {self.cost_aware_weight_floor}")
+        if self.cost_aware_weight_normalization == "recenter" and self.cost_aware_weight_floor is None:
+            self.cost_aware_weight_floor = 0.0
+        if self.cost_aware_weight_cap is not None:
+            floor = self.cost_aware_weight_floor or 0.0
+            if self.cost_aware_weight_cap <= floor:
+                raise ValueError(
+                    f"cost_aware_weight_cap must be > cost_aware_weight_floor ({floor}), got {self.cost_aware_weight_cap}"
+                )
