@@ -81,6 +81,8 @@ class CostAwareGRPOConfig(GRPOConfig):
             Put kept rows of similar length in the same micro-batch (less padding); micro-batch order stays random.
         cost_aware_seed (`int` or `None`, defaults to `None`):
             Seed of the sampler's generator (offset by the process index); `None` uses `seed`.
+        cost_aware_run_group (`str` or `None`, defaults to `None`):
+            Group name shared by the runs of one comparison (W&B group, and a field of the local metrics record).
     """
 
     cost_aware: bool = field(
@@ -151,6 +153,13 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_seed: int | None = field(
         default=None,
         metadata={"help": "Seed of the sampler's torch.Generator (plus the process index). None: use `seed`."},
+    )
+    cost_aware_run_group: str | None = field(
+        default=None,
+        metadata={
+            "help": "Name shared by the runs of one comparison (baseline and cost-aware arms, several seeds): the W&B "
+            "run group and a field of the local metrics record. None: WANDB_RUN_GROUP if set."
+        },
     )
 
     def __post_init__(self):
