@@ -109,6 +109,8 @@ def inclusion_probabilities(p: torch.Tensor, m: int) -> torch.Tensor:
     capped = torch.zeros(n, dtype=torch.bool, device=p.device)
     while True:
         free = ~capped
+        if not free.any():  # m = N: every row is kept
+            break
         left = m - int(capped.sum())
         mass = p[free].sum()
         if mass > 0:
