@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import types
 
 import pytest
@@ -88,11 +89,8 @@ def wandb_run(tmp_path_factory):
         ensure_tracking(trainer)
         trainer.train()
         run_dir = os.path.dirname(wandb.run.dir)
-        env_group_after_train = os.environ.get("WANDB_RUN_GROUP")
         wandb.finish()
-    return types.SimpleNamespace(
-        trainer=trainer, out=out, run_dir=run_dir, env_group_after_train=env_group_after_train
-    )
+    return types.SimpleNamespace(trainer=trainer, out=out, run_dir=run_dir)
 
 
 def read_jsonl(path):
@@ -151,8 +149,18 @@ def test_run_sidecar(wandb_run):
 
 
 # ---------------------------------------------------------------------------------------------------- W&B run
+def read_finished_wandb_run(folder, timeout=30.0):
+    """wandb-core finishes writing the .wandb log asynchronously after `finish()`: wait for its exit record."""
+    deadline = time.time() + timeout
+    while True:
+        history = read_wandb_offline(folder)
+        if history.info["finished"] or time.time() > deadline:
+            return history
+        time.sleep(0.05)
+
+
 def test_wandb_offline_run_holds_metrics(wandb_run):
-    run = read_wandb_offline(wandb_run.run_dir)
+    run = read_finished_wandb_run(wandb_run.run_dir)
     assert run.info["group"] == GROUP
     assert run.info["wandb"]["job_type"] == "cost_aware" and run.info["arm"] == "cost_aware"
     assert run.info["config"]["cost_aware"] is True
@@ -168,7 +176,7 @@ def test_wandb_offline_run_holds_metrics(wandb_run):
 
 
 def test_wandb_offline_run_holds_token_axis(wandb_run):
-    metrics = read_wandb_offline(wandb_run.run_dir).info["wandb_metrics"]
+    metrics = read_finished_wandb_run(wandb_run.run_dir).info["wandb_metrics"]
     by_glob = {m["glob_name"]: m["step_metric"] for m in metrics if m["glob_name"]}
     by_name = {m["name"]: m["step_metric"] for m in metrics if m["name"]}
     assert WANDB_TOKEN_AXIS == "train/cost_aware/policy_tokens"
@@ -179,10 +187,6 @@ def test_wandb_offline_run_holds_token_axis(wandb_run):
     for name in ("train/reward", "train/reward_std", "eval/reward", "train/cost_aware/kept_row_fraction"):
         assert by_name[name] == WANDB_TOKEN_AXIS, name
     assert by_glob["*"] == "train/global_step"
-
-
-def test_wandb_env_restored(wandb_run):
-    assert wandb_run.env_group_after_train is None
 
 
 # ---------------------------------------------------------------------------------------------------- units
@@ -247,20 +251,26 @@ class _FakeRun:
         self.defined[name] = step_metric
 
 
-def test_wandb_callback_before_and_after_wandb_init(monkeypatch):
-    fake = types.SimpleNamespace(run=None, termwarn=lambda *a, **k: fake.warnings.append(a[0]), warnings=[])
-    monkeypatch.setattr(WandbTokenAxisCallback, "_wandb", staticmethod(lambda: fake))
-    monkeypatch.delenv("WANDB_RUN_GROUP", raising=False)
-    monkeypatch.delenv("WANDB_JOB_TYPE", raising=False)
-    args, state = None, _state()
+def test_wandb_callback_before_and_after_wandb_init(monkeypatch, tmp_path):
+    fake = types.SimpleNamespace(run=None, warnings=[], inits=[])
+    fake.termwarn = lambda msg, **k: fake.warnings.append(msg)
 
-    # Before WandbCallback: the group goes through the environment for wandb.init, then the env is restored.
+    def init(**kwargs):
+        fake.inits.append(kwargs)
+        fake.run = _FakeRun(group=kwargs.get("group"))
+        return fake.run
+
+    fake.init = init
+    monkeypatch.setattr(WandbTokenAxisCallback, "_wandb", staticmethod(lambda: fake))
+    monkeypatch.setenv("WANDB_PROJECT", "proj")
+    monkeypatch.delenv("WANDB_JOB_TYPE", raising=False)
+    args, state = tiny_args(tmp_path, run_name="r1"), _state()
+
+    # Before WandbCallback: the run is made here, with the group and job type (WandbCallback then reuses it).
     cb = WandbTokenAxisCallback(group="g1", job_type="cost_aware")
     cb.on_train_begin(args, state, None)
-    assert os.environ["WANDB_RUN_GROUP"] == "g1" and os.environ["WANDB_JOB_TYPE"] == "cost_aware"
-    fake.run = _FakeRun(group=os.environ["WANDB_RUN_GROUP"])  # what wandb.init does
+    assert fake.inits == [{"project": "proj", "name": "r1", "group": "g1", "job_type": "cost_aware"}]
     cb.on_log(args, state, None, logs={"reward": 0.1, "eval_reward": 0.2, "loss": 0.0, "cost_aware/policy_tokens": 9})
-    assert "WANDB_RUN_GROUP" not in os.environ and "WANDB_JOB_TYPE" not in os.environ
     assert fake.run.defined["train/reward"] == WANDB_TOKEN_AXIS
     assert fake.run.defined["eval/reward"] == WANDB_TOKEN_AXIS
     assert "train/loss" not in fake.run.defined
@@ -268,15 +278,15 @@ def test_wandb_callback_before_and_after_wandb_init(monkeypatch):
     assert fake.run.tags == ("cost_aware",) and not fake.warnings
 
     # After WandbCallback (run already made without the group): metrics still defined, a warning about the group.
-    fake.run, fake.warnings = _FakeRun(group=None), []
+    fake.run, fake.inits = _FakeRun(group=None), []
     cb = WandbTokenAxisCallback(group="g2", job_type="baseline")
     cb.on_train_begin(args, state, None)
-    assert "WANDB_RUN_GROUP" not in os.environ
+    assert not fake.inits
     assert fake.run.defined["train/reward*"] == WANDB_TOKEN_AXIS and fake.warnings
 
     # Non-zero ranks do nothing.
-    fake.run = _FakeRun()
+    fake.run = None
     cb = WandbTokenAxisCallback(group="g3")
     cb.on_train_begin(args, _state(zero=False), None)
     cb.on_log(args, _state(zero=False), None, logs={"reward": 1.0})
-    assert fake.run.defined == {} and "WANDB_RUN_GROUP" not in os.environ
+    assert fake.run is None and not fake.inits

@@ -211,10 +211,12 @@ def read_wandb_offline(path: str) -> RunHistory:
     else:
         file = path
     rows, config, metrics = [], {}, []
-    run = {}
+    run, finished = {}, False
     for record in iter_wandb_records(file):
         kind = record.WhichOneof("record_type")
-        if kind == "history":
+        if kind == "exit":
+            finished = True
+        elif kind == "history":
             row = {}
             for item in record.history.item:
                 value = _item_value(item)
@@ -250,6 +252,7 @@ def read_wandb_offline(path: str) -> RunHistory:
     config.pop("_wandb", None)
     info = _wandb_info(run, config)
     info["wandb_metrics"] = metrics
+    info["finished"] = finished  # False: still running, killed, or not flushed yet (wandb-core writes asynchronously)
     name = run.get("display_name") or run.get("id") or os.path.basename(os.path.dirname(file))
     return RunHistory(name=name, source=os.path.dirname(file), kind="wandb-offline", rows=rows, info=info)
 

@@ -12,8 +12,8 @@ Two callbacks, both acting on the main process only:
   (``define_metric(..., step_metric=...)``) of the reward, eval and ``cost_aware/`` charts.
 
 Wire them with [`attach_tracking`] after ``Trainer.__init__`` (it places the W&B callback before transformers'
-``WandbCallback``, which must see the group before it calls ``wandb.init``), and call [`validate_report_to`] before it,
-so that a missing ``wandb`` is reported before the model is loaded.
+``WandbCallback``, so that the run is created with its group), and call [`validate_report_to`] before
+``Trainer.__init__``, so that a missing ``wandb`` is reported before the model is loaded.
 """
 
 from __future__ import annotations
@@ -312,18 +312,20 @@ class WandbTokenAxisCallback(TrainerCallback):
     """Group and x-axis for W&B runs: ``cost_aware_run_group`` as the run group, the arm as the job type, and
     ``train/cost_aware/policy_tokens`` as the step metric of the reward, eval and ``cost_aware/`` charts.
 
-    Placed before transformers' ``WandbCallback`` (see [`attach_tracking`]) it sets ``WANDB_RUN_GROUP`` and
-    ``WANDB_JOB_TYPE`` just for the ``wandb.init`` that callback makes (and restores them after). Placed after it, the
-    run exists already and only the metric definitions are made (a group that differs gets a warning). Every logged
-    key matching the chart patterns is also defined by its exact name, which takes precedence over the ``"*"`` glob
-    transformers defines with ``train/global_step`` as x-axis. Main process only.
+    Placed before transformers' ``WandbCallback`` (see [`attach_tracking`]), it makes the ``wandb.init`` call that
+    callback would make (project ``$WANDB_PROJECT`` or ``"huggingface"``, name ``run_name``) with ``group=`` and
+    ``job_type=`` added; ``WandbCallback`` then finds the run and adds the config and its own definitions, as it does
+    for a run made by hand. (Environment variables cannot carry the group: wandb reads them once per process, so a
+    second run in the same process would keep the first one's.) Placed after it, the run exists already: only the
+    metric definitions are made, and a group that differs gets a warning. Every logged key matching the chart
+    patterns is also defined by its exact name, which takes precedence over the ``"*"`` glob transformers defines
+    with ``train/global_step`` as x-axis. Main process only; hyperparameter searches are left to ``WandbCallback``.
     """
 
     def __init__(self, group: str | None = None, job_type: str | None = None, step_metric: str = WANDB_TOKEN_AXIS):
         self.group = group
         self.job_type = job_type
         self.step_metric = step_metric
-        self._saved_env = None
         self._run = None
         self._defined: set[str] = set()
 
@@ -337,34 +339,26 @@ class WandbTokenAxisCallback(TrainerCallback):
         if not state.is_world_process_zero:
             return
         wandb = self._wandb()
-        if wandb.run is None:
-            self._saved_env = {k: os.environ.get(k) for k in ("WANDB_RUN_GROUP", "WANDB_JOB_TYPE")}
+        if wandb.run is None and not state.is_hyper_param_search:
+            init_args = {"project": os.getenv("WANDB_PROJECT", "huggingface")}
+            if args.run_name is not None:
+                init_args["name"] = args.run_name
             if self.group:
-                os.environ["WANDB_RUN_GROUP"] = self.group
+                init_args["group"] = self.group
             if self.job_type and not os.environ.get("WANDB_JOB_TYPE"):
-                os.environ["WANDB_JOB_TYPE"] = self.job_type
-        else:
-            self._setup(wandb.run)
-
-    def _restore_env(self):
-        if self._saved_env is None:
-            return
-        for key, value in self._saved_env.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-        self._saved_env = None
+                init_args["job_type"] = self.job_type
+            wandb.init(**init_args)
+        self._ensure(state)
 
     def _ensure(self, state) -> bool:
-        """Finish the setup once the run exists (made by WandbCallback after our on_train_begin)."""
+        """Set up the current run once (again after a hyperparameter-search trial made a new one)."""
         if not state.is_world_process_zero:
             return False
-        if self._run is None:
-            run = self._wandb().run
-            if run is None:
-                return False
-            self._restore_env()
+        run = self._wandb().run
+        if run is None:
+            return False
+        if run is not self._run:
+            self._defined = set()
             self._setup(run)
         return True
 
@@ -372,8 +366,9 @@ class WandbTokenAxisCallback(TrainerCallback):
         self._run = run
         if self.group and (run.group or None) != self.group:
             self._wandb().termwarn(
-                f"cost_aware_run_group={self.group!r} could not be applied: the W&B run was created before the "
-                f"trainer's callbacks ran (group {run.group or None!r}). Set WANDB_RUN_GROUP, or wandb.init(group=...).",
+                f"cost_aware_run_group={self.group!r} could not be applied: the W&B run already existed (group "
+                f"{run.group or None!r}), made by wandb.init or by transformers' WandbCallback running first. Add the "
+                "callbacks with trl_costaware.tracking.attach_tracking(trainer), or call wandb.init(group=...).",
                 repeat=False,
             )
         run.define_metric(self.step_metric, summary="max")
@@ -398,9 +393,6 @@ class WandbTokenAxisCallback(TrainerCallback):
             if wkey not in self._defined and self._charted(wkey):
                 self._run.define_metric(wkey, step_metric=self.step_metric)
                 self._defined.add(wkey)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self._restore_env()
 
 
 def tracking_callbacks(args) -> list[TrainerCallback]:

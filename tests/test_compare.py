@@ -1,0 +1,279 @@
+"""`trl-costaware compare`: real short runs (baseline and cost-aware) and synthetic histories."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+
+from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware.cli import main as cli_main
+from trl_costaware.compare import (
+    NOT_REACHED,
+    CompareError,
+    RunHistory,
+    aggregate,
+    canonical_key,
+    compare_runs,
+    first_crossing,
+    format_report,
+    load_runs,
+    main,
+    read_wandb_offline,
+    run_curve,
+    smooth,
+)
+from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
+from trl_costaware.embedded.model import tiny_model_path
+from trl_costaware.tracking import METRICS_FILE, RUN_FILE, MetricsRecorderCallback, attach_tracking
+
+
+@pytest.fixture(scope="module")
+def real_runs(tmp_path_factory):
+    """Two real 3-step runs on the tiny model: baseline (cost_aware=False) and cost-aware; their output dirs."""
+    root = tmp_path_factory.mktemp("runs")
+    path, data = tiny_model_path(), arithmetic_dataset(48, seed=0)
+    dirs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("OMP_NUM_THREADS", "1")
+        for name, cost_aware in (("baseline-s0", False), ("cost-aware-s0", True)):
+            args = CostAwareGRPOConfig(
+                output_dir=str(root / name),
+                use_cpu=True,
+                report_to="none",
+                per_device_train_batch_size=8,
+                num_generations=4,
+                max_completion_length=16,
+                max_steps=3,
+                logging_steps=1,
+                bf16=False,
+                save_strategy="no",
+                disable_tqdm=True,
+                cost_aware=cost_aware,
+                cost_aware_run_group="compare-test",
+            )
+            trainer = CostAwareGRPOTrainer(path, [arithmetic_reward], args=args, train_dataset=data)
+            if not any(isinstance(cb, MetricsRecorderCallback) for cb in trainer.callback_handler.callbacks):
+                attach_tracking(trainer)
+            trainer.train()
+            dirs[name] = root / name
+    return dirs
+
+
+def test_compare_real_runs_table_and_png(real_runs, tmp_path, capsys):
+    png, out_json = tmp_path / "cmp.png", tmp_path / "cmp.json"
+    rc = main([*(str(d) for d in real_runs.values()), "--out", str(png), "--json", str(out_json)])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "| arm" in out and "| run" in out
+    assert "baseline-s0" in out and "cost-aware-s0" in out
+    assert "tokens to peak" in out and "tokens to 99% peak" in out and "saving" in out and "wall total" in out
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    result = json.loads(out_json.read_text())
+    assert result["baseline"] == "baseline"
+    assert {a["arm"] for a in result["arms"]} == {"baseline", "cost_aware"}
+    by_arm = {a["arm"]: a for a in result["arms"]}
+    # the baseline reaches its own peak; the cost-aware arm trains on fewer policy tokens in total
+    assert by_arm["baseline"]["targets"][0]["x"] is not None
+    assert by_arm["cost_aware"]["x_total"] < by_arm["baseline"]["x_total"]
+
+
+def test_cli_compare_folder_of_runs(real_runs, tmp_path, capsys):
+    root = str(next(iter(real_runs.values())).parent)
+    rc = cli_main(["compare", root, "--out", str(tmp_path / "p.png"), "--x", "generated_tokens", "--smooth", "2"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "cost_aware/generated_tokens" in out and "rolling mean of 2" in out
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_cli_usage_and_errors(tmp_path, capsys):
+    assert cli_main([]) == 0 and "compare" in capsys.readouterr().out
+    assert cli_main(["nope"]) == 2
+    assert main([str(tmp_path / "missing"), "--no-plot"]) == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- synthetic runs
+def write_run(folder, xs, ys, cost_aware, seed=0, metric="reward", wall=None):
+    os.makedirs(folder, exist_ok=True)
+    wall = xs if wall is None else wall
+    with open(os.path.join(folder, METRICS_FILE), "w") as fh:
+        for i, (x, y, w) in enumerate(zip(xs, ys, wall, strict=True)):
+            row = {"step": i + 1, "wall_time": float(w), "split": "train", "cost_aware/policy_tokens": float(x)}
+            row[metric] = float(y)
+            fh.write(json.dumps(row) + "\n")
+    with open(os.path.join(folder, RUN_FILE), "w") as fh:
+        arm = "cost_aware" if cost_aware else "baseline"
+        json.dump({"arm": arm, "cost_aware": cost_aware, "seed": seed, "group": "g"}, fh)
+    return str(folder)
+
+
+def synthetic(name, xs, ys, cost_aware, seed=0):
+    rows = [
+        {"cost_aware/policy_tokens": float(x), "reward": float(y), "wall_time": float(x) / 10} for x, y in zip(xs, ys)
+    ]
+    info = {"arm": "cost_aware" if cost_aware else "baseline", "cost_aware": cost_aware, "seed": seed}
+    return RunHistory(name=name, source=name, kind="local", rows=rows, info=info)
+
+
+def test_first_crossing_interpolates():
+    x, y = [0, 10, 20, 30], [0.0, 0.2, 0.6, 0.4]
+    assert first_crossing(x, y, 0.4) == (15.0,)
+    assert first_crossing(x, y, 0.6, [0, 1, 2, 3]) == (20.0, 2.0)
+    assert first_crossing(x, y, -1.0) == (0.0,)  # reached at the first point
+    assert first_crossing(x, y, 0.61, [0, 1, 2, 3]) == (None, None)
+
+
+def test_smoothing():
+    assert np.allclose(smooth(np.full(5, 0.3), 0.9), 0.3)  # debiased EMA: no pull toward 0
+    assert np.allclose(smooth([1, 2, 3, 4], 2), [1, 1.5, 2.5, 3.5])
+    assert np.allclose(smooth([1, 5, 2], 0), [1, 5, 2])
+
+
+def test_not_reached():
+    runs = [
+        synthetic("base", [100, 200, 300, 400], [0.1, 0.3, 0.5, 0.4], False),
+        synthetic("ca", [50, 100, 150, 200], [0.1, 0.2, 0.3, 0.35], True),
+    ]
+    result = compare_runs(runs, smoothing=0)
+    ca = next(a for a in result.arms if a["arm"] == "cost_aware")
+    assert ca["targets"][0]["x"] is None and ca["targets"][0]["saving_pct"] is None
+    assert result.targets[0].value == pytest.approx(0.5) and result.targets[0].baseline_x == pytest.approx(300)
+    report = format_report(result)
+    ca_line = next(line for line in report.splitlines() if line.startswith("| ca "))
+    assert NOT_REACHED in ca_line and "n/a" in ca_line
+
+
+def test_saving_and_99_percent_target():
+    runs = [
+        synthetic("base", [100, 200, 300, 400], [0.0, 0.5, 1.0, 0.8], False),
+        synthetic("ca", [50, 100, 150, 200], [0.0, 0.5, 1.0, 1.0], True),
+    ]
+    result = compare_runs(runs, smoothing=0, fractions=(1.0, 0.99))
+    assert [t.value for t in result.targets] == pytest.approx([1.0, 0.99])
+    ca = next(a for a in result.arms if a["arm"] == "cost_aware")
+    assert ca["targets"][0]["x"] == pytest.approx(150) and ca["targets"][0]["saving_pct"] == pytest.approx(50.0)
+    assert ca["targets"][1]["x"] == pytest.approx(149) and ca["targets"][1]["saving_pct"] == pytest.approx(50.0)
+    assert ca["targets"][0]["wall"] == pytest.approx(15.0) and ca["targets"][0]["wall_saving_pct"] == pytest.approx(50)
+    assert ca["final_vs_baseline"] == pytest.approx(0.2)
+
+
+def test_seeds_aggregated_mean_and_band(tmp_path):
+    dirs = [
+        write_run(tmp_path / "b0", [100, 200, 300], [0.0, 0.4, 0.8], False, seed=0),
+        write_run(tmp_path / "b1", [100, 200, 300], [0.0, 0.2, 0.4], False, seed=1),
+        write_run(tmp_path / "c0", [50, 100, 150, 200], [0.0, 0.3, 0.6, 0.7], True, seed=0),
+        write_run(tmp_path / "c1", [60, 110, 160, 210], [0.0, 0.4, 0.5, 0.8], True, seed=1),
+    ]
+    runs = load_runs(dirs, progress=True)
+    result = compare_runs(runs, smoothing=0, band="minmax")
+    base = result.curves["arms"]["baseline"]
+    assert base.n == 2 and np.allclose(base.y, [0.0, 0.3, 0.6])
+    assert np.allclose(base.lo, [0.0, 0.2, 0.4]) and np.allclose(base.hi, [0.0, 0.4, 0.8])
+    ca = result.curves["arms"]["cost_aware"]
+    assert ca.x[0] == 60 and ca.x[-1] == 200  # the range both seeds cover
+    assert result.baseline_peak == pytest.approx(0.6)
+    arm = next(a for a in result.arms if a["arm"] == "cost_aware")
+    assert arm["runs"] == 2 and arm["seeds"] == ["0", "1"]
+    assert arm["targets"][0]["x"] is not None and arm["targets"][0]["saving_pct"] > 0
+    assert len(result.runs) == 4
+
+
+def test_progress_bar_on_many_runs(tmp_path, capsys):
+    dirs = [write_run(tmp_path / f"r{i}", [1, 2], [0, 1], bool(i % 2), seed=i) for i in range(4)]
+    load_runs([str(tmp_path)], progress=True)
+    assert "reading runs" in capsys.readouterr().err
+    assert len(load_runs(dirs)) == 4
+
+
+def test_labels_baseline_and_errors(tmp_path):
+    a = write_run(tmp_path / "arm-a", [1, 2, 3], [0.1, 0.2, 0.3], True)
+    b = write_run(tmp_path / "arm-b", [1, 2, 3], [0.1, 0.3, 0.2], True)
+    runs = load_runs([a, b])
+    with pytest.raises(CompareError, match="baseline"):
+        compare_runs(runs, labels=["*arm-a*=A", "*arm-b*=B"])
+    result = compare_runs(runs, labels=["*arm-a*=A", "*arm-b*=B"], baseline="B", smoothing=0)
+    assert result.baseline == "B" and result.baseline_peak == pytest.approx(0.3)
+    with pytest.raises(CompareError, match="no rows"):
+        compare_runs(runs, metric="eval_reward")
+    result = compare_runs(runs, arm_by=["seed"], labels=None, baseline="seed=0", smoothing=0)
+    assert [a["arm"] for a in result.arms] == ["seed=0"]
+
+
+def test_minimize_and_keys():
+    runs = [
+        synthetic("base", [1, 2, 3], [3.0, 2.0, 1.0], False),
+        synthetic("ca", [1, 2, 3], [3.0, 1.0, 0.5], True),
+    ]
+    result = compare_runs(runs, smoothing=0, minimize=True, fractions=(1.0,))
+    assert result.baseline_peak == pytest.approx(1.0)
+    ca = next(a for a in result.arms if a["arm"] == "cost_aware")
+    assert ca["targets"][0]["x"] == pytest.approx(2.0) and ca["peak"] == pytest.approx(0.5)
+    assert canonical_key("train/reward") == "reward" and canonical_key("eval/reward") == "eval_reward"
+    assert canonical_key("_runtime") == "wall_time" and canonical_key("train/global_step") == "step"
+
+
+def read_finished_wandb_run(folder, timeout=30.0):
+    """wandb-core finishes writing the .wandb log asynchronously after `finish()`: wait for its exit record."""
+    deadline = time.time() + timeout
+    while True:
+        history = read_wandb_offline(folder)
+        if history.info["finished"] or time.time() > deadline:
+            return history
+        time.sleep(0.05)
+
+
+def test_wandb_offline_folder(tmp_path, monkeypatch, capsys):
+    """A W&B offline run (written by wandb itself) is read back and compared like a local one."""
+    wandb = pytest.importorskip("wandb")
+    for key, value in {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_DISABLE_GIT": "true",
+    }.items():
+        monkeypatch.setenv(key, value)
+    for name, cost_aware, rewards in (("wb-base", False, [0.1, 0.5, 0.4]), ("wb-ca", True, [0.2, 0.6, 0.6])):
+        run = wandb.init(project="p", name=name, group="g", config={"cost_aware": cost_aware, "seed": 3})
+        run.define_metric("train/cost_aware/policy_tokens")
+        run.define_metric("train/reward*", step_metric="train/cost_aware/policy_tokens")
+        scale = 50 if cost_aware else 100
+        for i, r in enumerate(rewards, 1):
+            run.log({"train/reward": r, "train/cost_aware/policy_tokens": scale * i, "train/global_step": i})
+        run.finish()
+    folders = sorted(str(p) for p in (tmp_path / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2
+    histories = [read_finished_wandb_run(f) for f in folders]
+    history = histories[0]
+    assert history.info["group"] == "g" and history.info["seed"] == 3
+    assert [r["reward"] for r in history.rows if "reward" in r][:1] in ([0.1], [0.2])
+    assert any(m["glob_name"] == "train/reward*" for m in history.info["wandb_metrics"])
+    rc = main([str(tmp_path / "wandb"), "--smooth", "0", "--no-plot", "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    result = json.loads((tmp_path / "r.json").read_text())
+    ca = next(a for a in result["arms"] if a["arm"] == "cost_aware")
+    # baseline peak 0.5 at 200 tokens; cost-aware crosses 0.5 between (50, 0.2) and (100, 0.6): at 87.5 tokens
+    assert ca["targets"][0]["x"] == pytest.approx(87.5) and ca["targets"][0]["saving_pct"] == pytest.approx(56.25)
+
+
+def test_online_path_unreachable_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    assert main(["someone/some-project/abc123", "--no-plot"]) == 2
+    assert "online" in capsys.readouterr().err
+
+
+def test_run_curve_skips_rows_without_metric():
+    run = synthetic("r", [1, 2], [0.5, 0.7], False)
+    run.rows.insert(1, {"cost_aware/policy_tokens": 1.5, "loss": 0.1})
+    curve = run_curve(run, "reward", "cost_aware/policy_tokens", 0)
+    assert list(curve.x) == [1.0, 2.0]
+    single = aggregate([curve])
+    assert single.n == 1 and list(single.y) == [0.5, 0.7]
