@@ -181,12 +181,31 @@ def test_training_script_on_a_named_dataset_with_lora(tmp_path, warm_model):
     assert (out / "adapter_config.json").exists()
 
 
+def test_console_entry_point_runs_the_script(tmp_path, warm_model):
+    """`trl-costaware train --config embedded_default.yaml ...`."""
+    from trl_costaware.cli import main as cli_main
+
+    out = tmp_path / "cli"
+    argv = ["train", "--config", str(RECIPES / "embedded_default.yaml"), *TINY_OVERRIDES, "--output_dir", str(out)]
+    assert cli_main([*argv, "--eval_strategy", "no", "--embedded_train_size", "32"]) == 0
+    assert (out / "model.safetensors").exists()
+
+
+def test_missing_reference_column_fails_before_loading_the_model(tmp_path, warm_model):
+    data = tmp_path / "no_answer"
+    data.mkdir()
+    (data / "train.jsonl").write_text(json.dumps({"question": "1+1=", "label": "2"}) + "\n")
+    argv = ["--dataset_name", str(data), "--prompt_column", "question", "--model_name_or_path", warm_model]
+    with pytest.raises(ValueError, match="--answer_column"):
+        main([*argv, "--bf16", "false", "--report_to", "none", "--output_dir", str(tmp_path / "out")])
+
+
 def test_reward_names_resolve():
     registry = reward_registry()
     for name in ("math_accuracy", "gsm8k_accuracy", "format", "boxed_format", "arithmetic"):
         assert callable(registry[name])
     with pytest.raises(ValueError, match="Unknown reward function"):
-        main(["--reward_funcs", "no_such_reward", "--bf16", "false", "--max_steps", "1", "--report_to", "none"])
+        main(["--reward_funcs", "no_such_reward", "--bf16", "false", "--report_to", "none", "--output_dir", "unused"])
 
 
 # ---------------------------------------------------------------------------------------------------- recipes

@@ -280,6 +280,7 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
             model_id, model_args, training_args.trust_remote_code
         )
     train_dataset, eval_dataset = load_datasets(script_args, training_args, chat_format)
+    _check_reference_column(reward_funcs, train_dataset)
 
     # As in TRL's grpo.py: the trainer loads the model from its id with these kwargs.
     model_init_kwargs = {
@@ -306,6 +307,19 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
     ):
         tracking.attach_tracking(trainer)  # local metrics record; W&B group and token x-axis
     return trainer
+
+
+def _check_reference_column(reward_funcs, dataset) -> None:
+    """Fail before loading the model when an accuracy reward has no reference column to read."""
+    from .rewards import gsm8k_accuracy_reward, math_accuracy_reward
+
+    columns = set(getattr(dataset, "column_names", None) or [])
+    needs = [f.__name__ for f in reward_funcs if f in (math_accuracy_reward, gsm8k_accuracy_reward)]
+    if columns and needs and not columns & {"answer", "solution"}:
+        raise ValueError(
+            f"{needs} read the reference answer from an 'answer' or 'solution' column; the dataset has "
+            f"{sorted(columns)}: set --answer_column"
+        )
 
 
 def _tracking():
