@@ -237,9 +237,10 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         metrics["cost_aware/zero_signal_ranks"].append(total[4].item())
         metrics["cost_aware/j_ratio_ideal"].append(mean[5].item())
         metrics["cost_aware/j_ratio_achieved"].append(mean[6].item())
-        metrics["cost_aware/rows_generated"].append(rows)
-        metrics["cost_aware/rows_kept"].append(unique_rows)
-        metrics["cost_aware/rows_dropped"].append(rows - unique_rows)
+        # Per generation batch; the cumulative `cost_aware/rows_generated` and `rows_kept` are added in `log`.
+        metrics["cost_aware/batch_rows_generated"].append(rows)
+        metrics["cost_aware/batch_rows_kept"].append(unique_rows)
+        metrics["cost_aware/batch_rows_dropped"].append(rows - unique_rows)
         # generated = kept + dropped, the two counted independently (inclusion mask vs. distinct drawn indices).
         metrics["cost_aware/count_check"].append(rows - unique_rows - total[10].item())
         for key, value in stats.as_dict(prefix="cost_aware/weight_").items():
