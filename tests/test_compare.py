@@ -117,7 +117,8 @@ def write_run(folder, xs, ys, cost_aware, seed=0, metric="reward", wall=None):
 
 def synthetic(name, xs, ys, cost_aware, seed=0):
     rows = [
-        {"cost_aware/policy_tokens": float(x), "reward": float(y), "wall_time": float(x) / 10} for x, y in zip(xs, ys)
+        {"cost_aware/policy_tokens": float(x), "reward": float(y), "wall_time": float(x) / 10}
+        for x, y in zip(xs, ys, strict=True)
     ]
     info = {"arm": "cost_aware" if cost_aware else "baseline", "cost_aware": cost_aware, "seed": seed}
     return RunHistory(name=name, source=name, kind="local", rows=rows, info=info)
@@ -277,3 +278,15 @@ def test_run_curve_skips_rows_without_metric():
     assert list(curve.x) == [1.0, 2.0]
     single = aggregate([curve])
     assert single.n == 1 and list(single.y) == [0.5, 0.7]
+
+
+def test_early_noise_is_not_a_crossing():
+    """With smoothing, each run's first points (where the average rests on a few values) are dropped by default."""
+    base = synthetic("base", [10, 20, 30, 40, 50, 60], [0.1, 0.2, 0.3, 0.4, 0.5, 0.5], False)
+    ca = synthetic("ca", [5, 10, 15, 20, 25, 30], [0.9, 0.0, 0.1, 0.2, 0.2, 0.2], True)  # one lucky first batch
+    result = compare_runs([base, ca], smoothing=2)
+    assert result.min_points == 2
+    ca_arm = next(a for a in result.arms if a["arm"] == "cost_aware")
+    assert ca_arm["targets"][0]["x"] is None
+    kept = compare_runs([base, ca], smoothing=2, min_points=1)
+    assert next(a for a in kept.arms if a["arm"] == "cost_aware")["targets"][0]["x"] == 5.0

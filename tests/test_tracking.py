@@ -76,6 +76,7 @@ def wandb_run(tmp_path_factory):
             mp.setenv(key, value)
         mp.delenv("WANDB_RUN_GROUP", raising=False)
         mp.delenv("WANDB_JOB_TYPE", raising=False)
+        wandb.teardown()  # wandb reads its environment once per process (at setup): start afresh with this one
         out = root / "out"
         args = tiny_args(out, report_to=["wandb"], cost_aware_run_group=GROUP, run_name="ca-tracking")
         validate_report_to(args)
@@ -90,6 +91,7 @@ def wandb_run(tmp_path_factory):
         trainer.train()
         run_dir = os.path.dirname(wandb.run.dir)
         wandb.finish()
+        wandb.teardown()  # waits until the service has written the run; the next wandb user re-reads the env
     return types.SimpleNamespace(trainer=trainer, out=out, run_dir=run_dir)
 
 
@@ -161,7 +163,7 @@ def read_finished_wandb_run(folder, timeout=30.0):
 
 def test_wandb_offline_run_holds_metrics(wandb_run):
     run = read_finished_wandb_run(wandb_run.run_dir)
-    assert run.info["group"] == GROUP
+    assert run.info["wandb"]["group"] == GROUP  # the W&B run's own group, not the config field
     assert run.info["wandb"]["job_type"] == "cost_aware" and run.info["arm"] == "cost_aware"
     assert run.info["config"]["cost_aware"] is True
     train = [r for r in run.rows if "reward" in r]
@@ -290,3 +292,22 @@ def test_wandb_callback_before_and_after_wandb_init(monkeypatch, tmp_path):
     cb.on_train_begin(args, _state(zero=False), None)
     cb.on_log(args, _state(zero=False), None, logs={"reward": 1.0})
     assert fake.run is None and not fake.inits
+
+
+def test_evaluate_before_train_row_is_kept(tmp_path):
+    args = tiny_args(tmp_path)
+    cb = MetricsRecorderCallback()
+    state = _state(step=0)
+    cb.on_log(args, state, None, logs={"eval_reward": 0.25})  # trainer.evaluate() before train()
+    cb.on_train_begin(args, state, None)
+    state.global_step = 1
+    cb.on_log(args, state, None, logs={"reward": 0.5})
+    rows = read_jsonl(tmp_path / METRICS_FILE)
+    assert [(r["split"], r["step"]) for r in rows] == [("eval", 0), ("train", 1)]
+
+
+def test_attach_tracking_is_idempotent(tmp_path):
+    trainer = types.SimpleNamespace(args=tiny_args(tmp_path), callback_handler=types.SimpleNamespace(callbacks=[]))
+    trainer.add_callback = trainer.callback_handler.callbacks.append
+    first = attach_tracking(trainer)
+    assert attach_tracking(trainer) == first and len(trainer.callback_handler.callbacks) == 1

@@ -9,8 +9,8 @@ Reads runs from
 
 Runs are grouped into arms (``--label``, ``--arm-by``, else the run's arm: ``baseline`` for ``cost_aware=False``, else
 ``cost_aware``), seeds of an arm are averaged on a common token grid, and for every run and arm the table gives the
-final and peak value of the (smoothed) metric and the tokens needed to first reach the baseline arm's peak and 99% of it
-— the paper's metric — with the saving against the baseline, and the wall time to the same targets.
+final and peak value of the (smoothed) metric and the tokens needed to first reach the baseline arm's peak and 99% of
+it — the paper's metric — with the saving against the baseline, and the wall time to the same targets.
 """
 
 from __future__ import annotations
@@ -446,7 +446,21 @@ class Curve:
     n: int = 1
 
 
-def run_curve(run: RunHistory, metric: str, x_key: str, smoothing: float) -> Curve | None:
+def smoothing_window(spec: float) -> int:
+    """Points a smoother averages over once it is warmed up: the window, or about 1/(1 − w) for an EMA."""
+    if spec <= 0:
+        return 1
+    if spec < 1:
+        return max(1, round(1.0 / (1.0 - spec)))
+    return int(spec)
+
+
+def run_curve(
+    run: RunHistory, metric: str, x_key: str, smoothing: float, min_points: int | None = None
+) -> Curve | None:
+    """The run's (x, smoothed metric) points, sorted by x. The first ``min_points − 1`` smoothed points (default: the
+    smoother's window) are dropped: there the average rests on a few noisy values, and an early spike would count as
+    reaching a target. A run with fewer points keeps its last one."""
     pts = []
     for i, row in enumerate(run.rows):
         xv, yv = row.get(x_key), row.get(metric)
@@ -459,7 +473,9 @@ def run_curve(run: RunHistory, metric: str, x_key: str, smoothing: float) -> Cur
     x = np.array([p[0] for p in pts])
     raw = np.array([p[2] for p in pts])
     wall = np.array([p[3] for p in pts])
-    return Curve(x=x, y=smooth(raw, smoothing), raw=raw, wall=wall)
+    y = smooth(raw, smoothing)
+    skip = min((smoothing_window(smoothing) if min_points is None else max(1, min_points)) - 1, len(x) - 1)
+    return Curve(x=x[skip:], y=y[skip:], raw=raw[skip:], wall=wall[skip:])
 
 
 def _interp(x_new, x, y):
@@ -511,6 +527,7 @@ class Result:
     metric: str
     x_key: str
     smoothing: float
+    min_points: int
     minimize: bool
     baseline: str
     baseline_peak: float
@@ -525,6 +542,7 @@ class Result:
             "metric": self.metric,
             "x": self.x_key,
             "smoothing": self.smoothing,
+            "min_points": self.min_points,
             "minimize": self.minimize,
             "baseline": self.baseline,
             "baseline_peak": self.baseline_peak,
@@ -597,6 +615,7 @@ def compare_runs(
     metric: str = DEFAULT_METRIC,
     x: str = DEFAULT_X,
     smoothing: float = DEFAULT_SMOOTH,
+    min_points: int | None = None,
     fractions=DEFAULT_FRACTIONS,
     baseline: str | None = None,
     labels: list[str] | None = None,
@@ -611,7 +630,7 @@ def compare_runs(
     sign = -1.0 if minimize else 1.0
     curves, usable = {}, []
     for run in runs:
-        c = run_curve(run, metric, x_key, smoothing)
+        c = run_curve(run, metric, x_key, smoothing, min_points)
         if c is None:
             have = sorted({k for r in run.rows for k in r})
             hint = [k for k in have if metric in k or k.endswith(metric.split("_")[-1])][:6]
@@ -687,6 +706,7 @@ def compare_runs(
         metric=metric,
         x_key=x_key,
         smoothing=smoothing,
+        min_points=smoothing_window(smoothing) if min_points is None else max(1, min_points),
         minimize=minimize,
         baseline=base_label,
         baseline_peak=sign * peak,
@@ -768,7 +788,9 @@ def format_report(result: Result) -> str:
     lines = [
         (
             f"Metric `{result.metric}` ({'lower' if result.minimize else 'higher'} is better) against "
-            f"`{xk}`; smoothing: {smooth_txt}. Baseline arm: `{result.baseline}`."
+            f"`{xk}`; smoothing: {smooth_txt}"
+            + (f"; first {result.min_points - 1} point(s) of each run dropped" if result.min_points > 1 else "")
+            + f". Baseline arm: `{result.baseline}`."
         ),
         "Targets: "
         + "; ".join(
@@ -787,7 +809,7 @@ def format_report(result: Result) -> str:
     head += [f"{x_word} total", "wall total"]
     rows = []
     for a in result.arms:
-        r = [a["arm"], str(a["runs"]), fmt_num(a["final"]), f"{a['final_vs_baseline']:+.4g}", fmt_num(a["peak"])]
+        r = [a["arm"], str(a["runs"]), fmt_num(a["final"]), f"{a['final_vs_baseline']:+.3g}", fmt_num(a["peak"])]
         for t in a["targets"]:
             r += [fmt_x(t["x"], xk), fmt_pct(t["saving_pct"])]
         for t in a["targets"]:
@@ -842,7 +864,7 @@ def plot(result: Result, path: str, show_runs: bool = True, title: str | None = 
         n_txt = f" ({c.n} runs)" if c.n > 1 else ""
         ax.plot(c.x, c.y, color=color, linewidth=2.0, label=f"{label}{n_txt}")
         arm = next(a for a in result.arms if a["arm"] == label)
-        for t, at in zip(result.targets, arm["targets"]):
+        for t, at in zip(result.targets, arm["targets"], strict=True):
             if at["x"] is not None:
                 ax.plot([at["x"]], [t.value], marker="o" if t.fraction == 1.0 else "v", color=color, markersize=6)
     span = float(np.nanmax([np.nanmax(np.abs(c.y)) for c in result.curves["arms"].values()]) or 1.0)
@@ -918,6 +940,13 @@ def build_parser(prog: str = "trl-costaware compare") -> argparse.ArgumentParser
         f"points (default {DEFAULT_SMOOTH})",
     )
     p.add_argument(
+        "--min-points",
+        type=int,
+        default=None,
+        help="drop each run's first N-1 smoothed points, where the average rests on a few noisy values "
+        "(default: the smoothing window, about 1/(1-w) for an EMA; 1 keeps every point)",
+    )
+    p.add_argument(
         "--fractions",
         default=",".join(f"{f:g}" for f in DEFAULT_FRACTIONS),
         help="targets as fractions of the baseline peak (default 1,0.99)",
@@ -957,6 +986,7 @@ def main(argv: list[str] | None = None) -> int:
             metric=args.metric,
             x=args.x,
             smoothing=args.smooth,
+            min_points=args.min_points,
             fractions=fractions,
             baseline=args.baseline,
             labels=args.label,

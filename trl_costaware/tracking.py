@@ -5,8 +5,8 @@ Two callbacks, both acting on the main process only:
 - [`MetricsRecorderCallback`] writes ``<output_dir>/cost_aware_metrics.jsonl`` (one JSON object per log row: ``step``,
   ``epoch``, ``wall_time`` in seconds since training started, ``split`` and every numeric metric of the row under the
   trainer's own key, e.g. ``reward``, ``eval_reward``, ``cost_aware/policy_tokens``) and a sidecar
-  ``<output_dir>/cost_aware_run.json`` (run name, group, arm, seed, loss type, kept fraction, model, full config). No W&B
-  needed; `trl-costaware compare` reads both.
+  ``<output_dir>/cost_aware_run.json`` (run name, group, arm, seed, loss type, kept fraction, model, full config).
+  No W&B needed; `trl-costaware compare` reads both.
 - [`WandbTokenAxisCallback`] (when ``"wandb"`` is in ``report_to``) puts the run in the W&B group
   ``cost_aware_run_group`` with job type = arm, and declares ``train/cost_aware/policy_tokens`` as the x-axis
   (``define_metric(..., step_metric=...)``) of the reward, eval and ``cost_aware/`` charts.
@@ -201,7 +201,9 @@ class MetricsRecorderCallback(TrainerCallback):
             return
         self._path, info_path = self._paths(args)
         os.makedirs(os.path.dirname(self._path) or ".", exist_ok=True)
-        kept, self._offset = self._resume_rows(state.global_step)
+        # A resume (global_step > 0), or a record this callback already started (e.g. trainer.evaluate() before
+        # train()): keep the rows up to the current step. A fresh run starts a new file.
+        kept, self._offset = self._resume_rows(state.global_step, continuing=self._start is not None)
         with open(self._path, "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
         self._info = run_info(args, model)
@@ -217,9 +219,9 @@ class MetricsRecorderCallback(TrainerCallback):
         self._write_info(info_path)
         self._start = time.time()
 
-    def _resume_rows(self, global_step: int):
+    def _resume_rows(self, global_step: int, continuing: bool = False):
         """Rows of a previous record up to ``global_step`` (a resume), and the wall time they end at."""
-        if not global_step or not os.path.exists(self._path):
+        if not (global_step or continuing) or not os.path.exists(self._path):
             return [], 0.0
         kept = []
         with open(self._path, encoding="utf-8") as fh:
@@ -405,9 +407,13 @@ def tracking_callbacks(args) -> list[TrainerCallback]:
 
 def attach_tracking(trainer) -> list[TrainerCallback]:
     """Add [`tracking_callbacks`] to a constructed trainer; the W&B one goes just before transformers'
-    ``WandbCallback`` so the run group is in place when that callback calls ``wandb.init``. Returns the callbacks."""
-    callbacks = tracking_callbacks(trainer.args)
+    ``WandbCallback``, so that it creates the run (with its group) before that callback would. Idempotent: returns
+    the tracking callbacks the trainer has."""
     handler = trainer.callback_handler
+    present = [cb for cb in handler.callbacks if isinstance(cb, (MetricsRecorderCallback, WandbTokenAxisCallback))]
+    if present:  # already attached (e.g. by the trainer itself): idempotent
+        return present
+    callbacks = tracking_callbacks(trainer.args)
     for cb in callbacks:
         if isinstance(cb, WandbTokenAxisCallback):
             names = [type(c).__name__ for c in handler.callbacks]
