@@ -59,7 +59,7 @@ def _check_valid(sel: SubsetSelection, c: np.ndarray, g: np.ndarray, gamma: floa
     assert sel.cost_factor_lower_bound <= sel.cost_factor_after * (1 + 1e-12)
     assert sel.total_cost_after == pytest.approx(c[sel.kept].sum(), rel=1e-12, abs=0)
     assert len(sel.reasons) == sel.dropped.size
-    for i, reason in zip(sel.dropped.tolist(), sel.reasons):
+    for i, reason in zip(sel.dropped.tolist(), sel.reasons, strict=True):
         assert reason == ("zero_bound" if g[i] == 0 else "budget")
 
 
@@ -239,7 +239,7 @@ def _records():
     }
     for prompt, (p_tok, comps, rewards) in spec.items():
         mean_r = float(np.mean(rewards))
-        for comp, r in zip(comps, rewards):
+        for comp, r in zip(comps, rewards, strict=True):
             rows.append(
                 {
                     "prompt": prompt,
