@@ -916,7 +916,7 @@ def build_parser(prog: str = "trl-costaware compare") -> argparse.ArgumentParser
     p = argparse.ArgumentParser(
         prog=prog,
         description="Compare runs by a metric against tokens: tokens the cost-aware arm needs to reach the "
-        "baseline's peak (and 99%% of it), saving in %%, wall time; writes a PNG of metric against tokens.",
+        "baseline's peak (and 99% of it), saving in %, wall time; writes a PNG of metric against tokens.",
     )
     p.add_argument(
         "runs",
