@@ -287,7 +287,8 @@ def read_wandb_online(arg: str) -> RunHistory:
     path = f"{entity}/{project}/{run_id}"
     if os.environ.get("WANDB_MODE") in ("offline", "disabled"):
         raise CompareError(
-            f"{arg}: WANDB_MODE={os.environ['WANDB_MODE']} forbids reading W&B online; pass an offline run folder"
+            f"{arg}: no such local path, and WANDB_MODE={os.environ['WANDB_MODE']} forbids reading it as a W&B run "
+            "online; pass a run folder"
         )
     try:
         import wandb
@@ -318,7 +319,8 @@ def read_wandb_online(arg: str) -> RunHistory:
         raise
     except Exception as err:  # network, auth and not-found errors all end here
         raise CompareError(
-            f"{arg}: cannot read this W&B run online ({type(err).__name__}: {err}). Check the network and "
+            f"{arg}: no such local path, and cannot read it as a W&B run online ({type(err).__name__}: {err}). "
+            "Check the path, or the network and "
             "`wandb login`, or pass the run's local folder (wandb/offline-run-... or wandb/run-...)."
         ) from err
     return RunHistory(
@@ -637,7 +639,7 @@ def compare_runs(
             raise CompareError(
                 f"run {run.name} ({run.source}) has no rows with both {metric!r} and {x_key!r}"
                 + (f"; similar keys: {', '.join(hint)}" if hint else "")
-                + (f"; x-axis candidates: {', '.join(k for k in have if 'token' in k or k == 'wall_time')}")
+                + (f"; x-axis candidates: {', '.join(k for k in have if _is_axis_key(k))}")
             )
         c.y, c.raw = sign * c.y, sign * c.raw  # internally always maximised
         curves[run.name] = c
@@ -716,6 +718,10 @@ def compare_runs(
         curves={"runs": curves, "arms": arm_curves},
         arm_members={label: [r.name for r in members] for label, members in arms.items()},
     )
+
+
+def _is_axis_key(key: str) -> bool:
+    return key.endswith(("tokens", "tokens_padded")) or key in ("wall_time", "step")
 
 
 def _finite(v):
