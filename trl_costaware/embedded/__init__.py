@@ -1,10 +1,10 @@
 """The embedded default: a tiny local causal LM and a built-in arithmetic task, usable with no network.
 
-    from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward, warmed_up_model_path
+from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward, warmed_up_model_path
 
-    model_path = warmed_up_model_path()          # tiny Llama + char tokenizer, SFT-warmed, cached on disk
-    train_dataset = arithmetic_dataset(1024)      # "3+5+2=" -> "8,10|10"
-    reward_funcs = [arithmetic_reward]            # 1.0 for the right final answer, else 0.0
+model_path = warmed_up_model_path()          # tiny Llama + char tokenizer, SFT-warmed, cached on disk
+train_dataset = arithmetic_dataset(1024)      # "3+5+2=" -> "8,10|10"
+reward_funcs = [arithmetic_reward]            # 1.0 for the right final answer, else 0.0
 """
 
 from .arithmetic import (

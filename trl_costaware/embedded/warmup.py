@@ -56,13 +56,13 @@ def _warmup_dataset(n: int, seed: int):
 
 def _run_warmup(base: str, out: str, *, seed: int, steps: int) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import SFTConfig, SFTTrainer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    train = _warmup_dataset(steps * WARMUP_BATCH_SIZE, seed=10_000 + seed)
     with tempfile.TemporaryDirectory() as scratch, torch_threads(1), _quiet_datasets():
+        train = _warmup_dataset(steps * WARMUP_BATCH_SIZE, seed=10_000 + seed)
         args = SFTConfig(
             output_dir=scratch,
             max_steps=steps,
@@ -83,6 +83,7 @@ def _run_warmup(base: str, out: str, *, seed: int, steps: int) -> None:
             disable_tqdm=True,
         )
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
+        trainer.remove_callback(PrinterCallback)  # no metrics dict on stdout
         trainer.train()
     model = trainer.model
     model.generation_config.pad_token_id = tokenizer.pad_token_id
