@@ -33,6 +33,7 @@ from .sampling import (
     sampling_scores,
     sequence_costs,
 )
+from .tracking import attach_tracking, validate_report_to
 
 # Loss types whose policy term is a token sum over a normaliser fixed by the FULL generation batch
 # (`num_items_in_batch`, kept as TRL computed it before sampling). A kept row must then stand for 1/π_i rows, so its
@@ -73,7 +74,9 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                 f"args must be a CostAwareGRPOConfig, got {type(args).__name__}. Replace GRPOConfig(...) with "
                 "CostAwareGRPOConfig(...): it accepts every GRPOConfig field."
             )
+        validate_report_to(args)  # fail before the model loads
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        attach_tracking(self)  # local metrics record; W&B group and token x-axis (before TRL's WandbCallback)
         if args.cost_aware and isinstance(self.processing_class, ProcessorMixin):
             raise NotImplementedError(
                 "cost_aware=True supports text-only models; this model has a multimodal processor whose image "
