@@ -1,0 +1,52 @@
+# trl-costaware developer entry points. `make demo` and `make test` set everything up on a fresh machine.
+
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+# torch is installed FIRST and on its own. With no torch in the venv, resolving the plain `torch>=2.6` requirement of
+# this package would pull the default multi-GB CUDA build from PyPI. Pinning it here picks the CPU wheel that this
+# machine's pip configuration provides locally. Override for a GPU machine, e.g.
+#   make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
+TORCH_SPEC ?= torch==2.13.0
+
+# The tiny embedded model gains nothing from intra-op threads, and on 2 shared cores busy-waiting OpenMP threads are
+# ~10x slower than one; tests and demo never touch the network.
+THREADS ?= 1
+JOBS ?= 2
+PYTEST_ARGS ?=
+RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) TOKENIZERS_PARALLELISM=false
+TEST_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+	TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
+WANDB_MODE ?= offline
+
+.PHONY: install test demo lint format clean
+
+install: $(STAMP)
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install $(TORCH_SPEC)
+	$(BIN)/python -m pip install -e '.[dev,deepspeed]'
+	touch $@
+
+test: $(STAMP)
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(JOBS) --dist loadgroup $(PYTEST_ARGS) tests
+
+demo: $(STAMP)
+	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .cache
