@@ -50,6 +50,12 @@ EXPECTED = {  # distributed_type, zero stage (None: not DeepSpeed), num_machines
 }
 
 
+# Under `pytest -n N --dist loadgroup` (make test) the launches that share a cached run (the DDP reference, the DDP
+# example run) stay in one worker, so each reference runs once per session.
+BACKENDS_GROUP = pytest.mark.xdist_group("distributed_backends")
+EXAMPLE_GROUP = pytest.mark.xdist_group("distributed_example")
+
+
 # ---------------------------------------------------------------------------------------------------- helpers
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -124,10 +130,9 @@ def cost_aware_logs(record: dict) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> str:
-    from trl_costaware.embedded.model import tiny_model_path
-
-    return tiny_model_path(tmp_path_factory.mktemp("tiny_model_cache"), seed=0)
+def tiny_model(tiny_model_path) -> str:
+    """The random tiny model, built once per session by the parent (conftest); workers get its path."""
+    return tiny_model_path
 
 
 @pytest.fixture(scope="session")
@@ -191,7 +196,7 @@ def test_config_loads_with_accelerate(name):
 
 
 def _deepspeed_config_as_launched(name, monkeypatch) -> dict:
-    """The DeepSpeed config a process started by `accelerate launch --config_file <name>.yaml` builds (env → plugin)."""
+    """The DeepSpeed config that a process started by `accelerate launch --config_file <name>.yaml` builds."""
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils import DeepSpeedPlugin
     from accelerate.utils.launch import prepare_deepspeed_cmd_env
@@ -299,6 +304,7 @@ def _check_global_weights(records):
         assert ratios == pytest.approx([ratios[0]] * len(ratios))
 
 
+@BACKENDS_GROUP
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_ddp(launch, lora):
@@ -310,6 +316,7 @@ def test_ddp(launch, lora):
     assert logs == cost_aware_logs(result["records"][1])
 
 
+@BACKENDS_GROUP
 @pytest.mark.multiprocess
 @pytest.mark.deepspeed
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
@@ -322,6 +329,7 @@ def test_zero_matches_ddp(launch, initial_state, config, lora):
     _check_against_ddp(result, ddp, initial_state, lora)
 
 
+@BACKENDS_GROUP
 @pytest.mark.multiprocess
 @pytest.mark.deepspeed
 @pytest.mark.slow
@@ -335,6 +343,7 @@ def test_zero3_offload_matches_ddp(launch, initial_state):
     _check_against_ddp(result, ddp, initial_state, lora=False)
 
 
+@BACKENDS_GROUP
 @pytest.mark.multiprocess
 def test_two_nodes_static_rendezvous(launch, tiny_model, tmp_path):
     """multi_node.yaml on localhost: two `accelerate launch` commands (machine_rank 0 and 1), one process each."""
@@ -391,7 +400,9 @@ def test_two_nodes_static_rendezvous(launch, tiny_model, tmp_path):
 @pytest.mark.parametrize("backend", ["ddp", pytest.param("zero3", marks=pytest.mark.deepspeed)])
 def test_rank_without_signal(tiny_model, tmp_path, backend):
     """Rank 1's rewards are constant (all its advantages are 0), rank 0's vary: no hang, identical weights, and the
-    metrics report one zero-signal rank. Launched with torchrun; ZeRO-3 via `CostAwareGRPOConfig(deepspeed=...)`.
+    metrics report one zero-signal rank. Launched with torchrun; ZeRO-3 via `CostAwareGRPOConfig(deepspeed=...)`, and
+    with a token budget instead of a fraction, under which the two ranks' own row counts differ (rank 0 favours cheap
+    rows, rank 1 draws uniformly) and must be reconciled to the smallest.
 
     Setup: 4 rows per micro-batch x 2 micro-steps = 8 rows per rank per generation, num_generations=4, so every
     prompt group lies on one rank (TRL normalises rewards per group over the gathered batch) and rank 1's groups
@@ -428,13 +439,18 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
             "bf16": {"enabled": "auto"},
         }
         (tmp_path / "zero3.json").write_text(json.dumps(ds))
-        cmd += ["--deepspeed", str(tmp_path / "zero3.json")]
+        cmd += ["--deepspeed", str(tmp_path / "zero3.json"), "--token-budget", "60"]
     seconds = run(cmd, tmp_path / "log.txt")
     print(f"[rank_without_signal-{backend}] {seconds:.1f} s")
     result = load_result(out)  # identical weights on both ranks
     records = result["records"]
     if backend == "zero3":
         assert [r["zero_stage"] for r in records] == [3, 3]
+        own_counts = list(zip(records[0]["budget_rows"], records[1]["budget_rows"], strict=True))
+        assert any(a != b for a, b in own_counts), (
+            f"the budget no longer gives the ranks different row counts {own_counts}: retune --token-budget so the "
+            "test still covers the min-over-ranks path"
+        )
 
     _check_global_weights(records)  # one global weight vector, each rank its slice
     r0, r1 = records
@@ -451,7 +467,8 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
     for h in logs0:
         assert h["cost_aware/zero_signal_ranks"] == 1.0
         assert 0.0 < h["cost_aware/informative_fraction"] <= 0.5  # rank 1's half of the rows carries nothing
-        assert h["cost_aware/kept_row_fraction"] == 0.5  # rank 1 still trained its zero-weight rows
+        if backend == "ddp":
+            assert h["cost_aware/kept_row_fraction"] == 0.5  # rank 1 still trained its zero-weight rows
         assert h["cost_aware/count_check"] == 0.0
 
 
@@ -483,13 +500,11 @@ EXAMPLE_ARGS = [
 
 
 @pytest.fixture(scope="session")
-def launch_example(tmp_path_factory):
-    """launch_example(config) -> saved model state dict; the example script, unchanged, for 2 steps."""
+def launch_example(tmp_path_factory, warm_model_path):
+    """launch_example(config) -> saved model state dict; the example script, unchanged, for 2 steps. The recipe's
+    default policy (`warm_model_path`) is built once by the parent into the session cache the children inherit."""
     if not EXAMPLE.exists():
         pytest.skip("examples/train_cost_aware_grpo.py not present")
-    from trl_costaware.embedded.warmup import warmed_up_model_path
-
-    warmed_up_model_path()  # the recipe's default policy: build it once here, not in every rank
     root = tmp_path_factory.mktemp("example_runs")
     recipe = ROOT / "examples" / "recipes" / "embedded_default.yaml"
 
@@ -510,6 +525,7 @@ def launch_example(tmp_path_factory):
     return _launch
 
 
+@EXAMPLE_GROUP
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize(

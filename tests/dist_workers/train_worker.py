@@ -62,6 +62,7 @@ def parse_args(argv=None):
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--per-device-batch", type=int, default=4)
     p.add_argument("--kept-fraction", type=float, default=0.5)
+    p.add_argument("--token-budget", type=int, default=None, help="cost_aware_token_budget (replaces the fraction)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--max-completion-length", type=int, default=8)
@@ -128,6 +129,7 @@ def main(argv=None) -> int:
         disable_tqdm=True,
         dataloader_num_workers=0,
         cost_aware_kept_fraction=args.kept_fraction,
+        cost_aware_token_budget=args.token_budget,
         cost_aware_weight_normalization=args.weight_normalization,
     )
     peft_config = None
@@ -150,8 +152,9 @@ def main(argv=None) -> int:
     )
 
     # Record what the sampler normalised (the weights of all ranks) and what this rank applied.
-    record = {"global_weights": [], "factors": [], "kept": []}
+    record = {"global_weights": [], "factors": [], "kept": [], "budget_rows": []}
     original_normalize = trainer_module.normalize_weights
+    original_budget = trainer_module.kept_rows_for_token_budget
     original_draw = trainer._draw_kept_rows
 
     def normalize_and_record(weights, *a, **kw):
@@ -165,7 +168,13 @@ def main(argv=None) -> int:
         record["kept"].append(len(indices))
         return indices, factors
 
+    def budget_and_record(*a, **kw):
+        m_local = original_budget(*a, **kw)
+        record["budget_rows"].append(m_local)  # this rank's own count, before the min over ranks
+        return m_local
+
     trainer_module.normalize_weights = normalize_and_record
+    trainer_module.kept_rows_for_token_budget = budget_and_record
     trainer._draw_kept_rows = draw_and_record
 
     trainer.train()
