@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> dict:
 
     # κ for p* on the full data, tuned as in cost_aware_sgd.py.
     tune_problems = [make_problem(s, **kw) for s in tune_seeds]
-    cap = 40.0 * float(np.mean([pr.c.sum() for pr in tune_problems]))
+    cap = 60.0 * float(np.mean([pr.c.sum() for pr in tune_problems]))
     dists = {
         "gradient_over_sqrt_cost": [sampler_distribution("gradient_over_sqrt_cost", q.G, q.c) for q in tune_problems]
     }
-    best, _ = tune_kappa(tune_problems, dists, kappas, args.target, cap, max(2, replicates // 2))
+    best, _ = tune_kappa(tune_problems, dists, kappas, args.target, cap, replicates)
     kappa = best["gradient_over_sqrt_cost"]
     # The fixed cost budget B: 2.5 × the mean cost to ε of p* on the full data (tuning instances, fresh draws).
     full_runs = [

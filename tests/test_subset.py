@@ -339,7 +339,7 @@ def test_filter_dataset_by_id_and_conversations():
         {"prompt": conv[i], "prompt_id": 10 + i, "tokens": tok, "advantage": adv}
         for i, tok, adv in [(0, 100, 1.0), (0, 120, -1.0), (1, 10, 0.5), (2, 1000, 2.0), (2, 1000, -2.0)]
     ]
-    by_prompt, rep = filter_dataset(ds, records, gamma=2.0 / 3, record_key="prompt")
+    by_prompt, rep = filter_dataset(ds, records, gamma=2.0 / 3)  # matched on the conversation, not prompt_id
     by_id, rep_id = filter_dataset(ds, records, gamma=2.0 / 3, id_column="id", record_key="prompt_id")
     assert by_prompt["id"] == by_id["id"] == [10, 11]  # the 1000-token prompt (G = 2) fits the budget of 2
     assert rep.dropped["reason"].tolist() == ["budget"] and rep_id.unmatched.size == 0

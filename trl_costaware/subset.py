@@ -459,8 +459,9 @@ def filter_dataset(
 ):
     """Drop expensive prompts from a `datasets.Dataset` within a bias budget Γ, from a pilot run's records.
 
-    Rows are matched to records by `id_column` (against `record_key`, default the same name) or, without one, by
-    `prompt_column` (against the records' `prompt`); conversations match by content. Per-prompt c and G come from
+    Rows are matched to records by `id_column` (against the records' `record_key` column, default the same name) or,
+    without one, by `prompt_column` (against the records' `record_key`, default `prompt`); conversations match by
+    content. Per-prompt c and G come from
     `prompt_statistics`; the selection (`select_subset`, greedy by default) runs over the matched rows with the bias
     normaliser n = len(dataset). Rows without records are kept and listed in `FilterReport.unmatched`.
 
@@ -472,7 +473,7 @@ def filter_dataset(
     key_column = id_column or prompt_column
     if key_column not in dataset.column_names:
         raise ValueError(f"dataset has no column {key_column!r}; got {dataset.column_names}")
-    rec_key = record_key or (id_column if id_column is not None else None)
+    rec_key = record_key or (id_column if id_column is not None else "prompt")
     stats = prompt_statistics(
         records,
         record_key=rec_key,
