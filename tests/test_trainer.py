@@ -63,7 +63,7 @@ def last_metric(trainer, key):
     return values[-1]
 
 
-# ---------------------------------------------------------------------------------------------------- unbiasedness
+# ---------------------------------------------------------------- unbiasedness
 LOSS_SETTINGS = {
     "grpo": {},
     "bnpo": {},
@@ -151,7 +151,7 @@ def test_cost_aware_gradient_is_unbiased(tmp_path, model_path, dataset, loss_typ
         assert _z_score(biased, target) > 30.0
 
 
-# ---------------------------------------------------------------------------------------------------- forward accounting
+# ---------------------------------------------------------------- forward accounting
 def test_dropped_rows_never_reach_a_forward(tmp_path, model_path, dataset):
     """After generation, forward passes (old-policy, reference, policy) see only kept rows, trimmed to width."""
     args = make_args(
@@ -183,7 +183,7 @@ def test_dropped_rows_never_reach_a_forward(tmp_path, model_path, dataset):
     assert no_grad_rows == 2 * m, no_grad_rows
     # Two optimizer steps × 2 micro-steps × m / steps_per_generation rows.
     assert grad_rows == 2 * 2 * (m // 4), grad_rows
-    for shape, mask, grad in seen:
+    for _, mask, grad in seen:
         if grad:  # each micro-batch is trimmed to its own longest row: first and last columns are used
             assert mask[:, 0].any() and mask[:, -1].any()
     assert last_metric(trainer, "cost_aware/batch_rows_kept") == m
@@ -211,14 +211,17 @@ def test_micro_batches_trimmed_and_grouped_by_length(tmp_path, model_path, datas
     trainer.train()
     # Grouped: row lengths of different micro-batches do not interleave.
     ranges = sorted((min(w), max(w)) for w in widths)
-    for (lo1, hi1), (lo2, hi2) in zip(ranges, ranges[1:]):
+    for (_, hi1), (lo2, _) in zip(ranges, ranges[1:], strict=False):
         assert hi1 <= lo2
-    padded, real = last_metric(trainer, "cost_aware/policy_tokens_padded"), last_metric(trainer, "cost_aware/policy_tokens")
+    padded, real = (
+        last_metric(trainer, "cost_aware/policy_tokens_padded"),
+        last_metric(trainer, "cost_aware/policy_tokens"),
+    )
     assert real == sum(sum(w) for w in widths)
     assert padded >= real
 
 
-# ---------------------------------------------------------------------------------------------------- equivalence
+# ---------------------------------------------------------------- equivalence
 def test_switched_off_equals_grpo_trainer(tmp_path, model_path, dataset):
     common = dict(max_steps=3, beta=0.02)
     base = GRPOTrainer(
@@ -252,7 +255,7 @@ def test_kept_fraction_one_uniform_matches_grpo_loss(tmp_path, model_path, datas
     assert math.isclose(last_metric(base, "loss"), last_metric(full, "loss"), rel_tol=1e-4, abs_tol=1e-6)
 
 
-# ---------------------------------------------------------------------------------------------------- features
+# ---------------------------------------------------------------- features
 @pytest.mark.parametrize(
     "overrides",
     [
@@ -301,13 +304,17 @@ def test_lora(tmp_path, model_path, dataset):
 
 def test_conversational_prompts(tmp_path, model_path):
     ds = arithmetic_dataset(32, seed=1, conversational=True)
-    trainer = CostAwareGRPOTrainer(model_path, [arithmetic_reward, length_reward], args=make_args(tmp_path), train_dataset=ds)
+    trainer = CostAwareGRPOTrainer(
+        model_path, [arithmetic_reward, length_reward], args=make_args(tmp_path), train_dataset=ds
+    )
     trainer.train()
     assert last_metric(trainer, "cost_aware/count_check") == 0
 
 
 def test_resume_draws_the_same_rows(tmp_path, model_path, dataset):
-    common = dict(max_steps=4, save_strategy="steps", save_steps=2, steps_per_generation=2, gradient_accumulation_steps=1)
+    common = dict(
+        max_steps=4, save_strategy="steps", save_steps=2, steps_per_generation=2, gradient_accumulation_steps=1
+    )
     straight = CostAwareGRPOTrainer(
         model_path, [length_reward], args=make_args(tmp_path / "a", **common), train_dataset=dataset
     )
@@ -320,9 +327,11 @@ def test_resume_draws_the_same_rows(tmp_path, model_path, dataset):
     assert last_metric(straight, "cost_aware/policy_tokens") == last_metric(resumed, "cost_aware/policy_tokens")
 
 
-# ---------------------------------------------------------------------------------------------------- degenerate batches
+# ---------------------------------------------------------------- degenerate batches
 def test_all_rewards_equal(tmp_path, model_path, dataset):
-    trainer = CostAwareGRPOTrainer(model_path, [constant_reward], args=make_args(tmp_path, beta=0.0), train_dataset=dataset)
+    trainer = CostAwareGRPOTrainer(
+        model_path, [constant_reward], args=make_args(tmp_path, beta=0.0), train_dataset=dataset
+    )
     before = weights_of(trainer.model)
     trainer.train()
     assert last_metric(trainer, "cost_aware/informative_fraction") == 0.0
@@ -341,7 +350,7 @@ def test_one_token_and_truncated_completions(tmp_path, model_path, dataset, mask
     assert math.isfinite(last_metric(trainer, "loss"))
 
 
-# ---------------------------------------------------------------------------------------------------- config errors
+# ---------------------------------------------------------------- config errors
 @pytest.mark.parametrize(
     ("field", "value"),
     [
@@ -366,7 +375,9 @@ def test_config_errors_name_the_field(tmp_path, field, value):
 
 def test_plain_grpo_config_is_rejected(tmp_path, model_path, dataset):
     with pytest.raises(TypeError, match="CostAwareGRPOConfig"):
-        CostAwareGRPOTrainer(model_path, [length_reward], args=make_args(tmp_path, cls=GRPOConfig), train_dataset=dataset)
+        CostAwareGRPOTrainer(
+            model_path, [length_reward], args=make_args(tmp_path, cls=GRPOConfig), train_dataset=dataset
+        )
 
 
 def test_cost_callable_and_import_path(tmp_path, model_path, dataset):

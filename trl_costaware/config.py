@@ -106,8 +106,8 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_proxy: str = field(
         default="advantage",
         metadata={
-            "help": "Sampling score: 'advantage' (|A|/sqrt(c), the method), 'uniform', 'inverse_sqrt_cost' (1/sqrt(c)) "
-            "or 'inverse_cost' (1/c, an ablation).",
+            "help": "Sampling score: 'advantage' (|A|/sqrt(c), the method), 'uniform', "
+            "'inverse_sqrt_cost' (1/sqrt(c)) or 'inverse_cost' (1/c, an ablation).",
             "choices": list(PROXIES),
         },
     )
@@ -115,12 +115,14 @@ class CostAwareGRPOConfig(GRPOConfig):
         default="prompt_completion",
         metadata={
             "help": "Row cost: 'prompt_completion' (non-padding prompt+completion tokens), 'completion', or an import "
-            "path 'module:function' to fn(prompt_mask, completion_mask) -> Tensor[N] (a callable also works in Python)."
+            "path 'module:function' to fn(prompt_mask, completion_mask) -> Tensor[N] (a callable works in Python)."
         },
     )
     cost_aware_smoothing: float = field(
         default=0.1,
-        metadata={"help": "Uniform smoothing alpha in [0, 1]: p = (1 - alpha) q + alpha / N. Bounds weights by 1/alpha."},
+        metadata={
+            "help": "Uniform smoothing alpha in [0, 1]: p = (1 - alpha) q + alpha / N. Bounds weights by 1/alpha."
+        },
     )
     cost_aware_draw: str = field(
         default="systematic",
@@ -168,7 +170,8 @@ class CostAwareGRPOConfig(GRPOConfig):
             raise ValueError(f"cost_aware_kept_fraction must be in (0, 1], got {self.cost_aware_kept_fraction}")
         if self.cost_aware_token_budget is not None and self.cost_aware_token_budget <= 0:
             raise ValueError(
-                f"cost_aware_token_budget must be a positive number of tokens or None, got {self.cost_aware_token_budget}"
+                "cost_aware_token_budget must be a positive number of tokens or None, "
+                f"got {self.cost_aware_token_budget}"
             )
         if self.cost_aware_proxy not in PROXIES:
             raise ValueError(f"cost_aware_proxy must be one of {PROXIES}, got {self.cost_aware_proxy!r}")
@@ -192,5 +195,6 @@ class CostAwareGRPOConfig(GRPOConfig):
             floor = self.cost_aware_weight_floor or 0.0
             if self.cost_aware_weight_cap <= floor:
                 raise ValueError(
-                    f"cost_aware_weight_cap must be > cost_aware_weight_floor ({floor}), got {self.cost_aware_weight_cap}"
+                    f"cost_aware_weight_cap must be > cost_aware_weight_floor ({floor}), "
+                    f"got {self.cost_aware_weight_cap}"
                 )

@@ -71,7 +71,7 @@ def run_arm(name: str, cost_aware: bool, args: argparse.Namespace, model_path: s
 
 
 def tokens_to_reach(arm: dict, target: float) -> float | None:
-    for reward, tokens in zip(arm["rewards"], arm["tokens"]):
+    for reward, tokens in zip(arm["rewards"], arm["tokens"], strict=True):
         if reward >= target:
             return tokens
     return None
@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> None:
     baseline = arms[0]
     print()
     print(f"Embedded default, {args.steps} steps per arm, same seed and rollouts; reward smoothed over {args.smooth}.")
-    header = "| arm | final reward | peak reward | policy tokens | generated tokens | tokens to baseline peak | wall s |"
+    header = (
+        "| arm | final reward | peak reward | policy tokens | generated tokens | tokens to baseline peak | wall s |"
+    )
     print(header)
     print("|" + "---|" * 7)
     for arm in arms:
@@ -109,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
         )
     saved = 1 - arms[1]["policy_tokens"] / baseline["policy_tokens"]
     print(f"\nCost-aware GRPO used {saved:.0%} fewer policy-optimisation tokens over the same rollouts.")
-    print(f"Metric histories: {args.output_dir}/<arm>/ ; compare them with `trl-costaware compare {args.output_dir}/*`.")
+    print(
+        f"Metric histories: {args.output_dir}/<arm>/ ; compare them with `trl-costaware compare {args.output_dir}/*`."
+    )
 
 
 if __name__ == "__main__":
