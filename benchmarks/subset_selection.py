@@ -6,14 +6,15 @@ c_i ~ U[1, 10], one instance per seed). For each bias budget Γ (in units of Ḡ
 1. `trl_costaware.subset.select_subset_greedy` drops the most expensive examples while (1/n) Σ_dropped G_i ≤ Γ;
 2. cost-aware SGD (p_i ∝ G_i/√c_i on the kept set, 0 on the dropped ones, step x ← x − η ∇f_i/(n p_i)) runs on the
    kept set, with the theory's step η = κ ε_abs/S_K(p), S_K(p) = (1/n²) Σ_{i∈K} G_i²/p_i, ε_abs = ε (F(x₀) − F*),
-   and κ tuned once on the full data (tuning instances, seeds 1000+) as for benchmarks/cost_aware_sgd.py's p* row;
+   and κ tuned for every Γ as in benchmarks/cost_aware_sgd.py (tuning instances, seeds 1000+; the κ with the
+   smallest worst-case cost to ε; if no κ reaches ε on every tuning instance, the smallest κ of the grid);
 3. the error is measured on the FULL objective: (F(x) − F*)/(F(x₀) − F*), F* the full optimum.
 
 Reported against Γ: the total cost (Σ c of sampled components) until the replicate-mean error reaches ε = 0.01
 (or "not reached" within the budget B), the error at the fixed cost budget B (replicate-mean, averaged over the
 checks in the last 10% of B: constant-step SGD keeps a noise floor of its own), the deterministic bias floor
 (F(x*_K) − F*)/(F(x₀) − F*) with x*_K the exact minimiser of the kept sum, and the theory's cost factor ratio
-J_K/J_all = (Σ_K G√c)²/(Σ G√c)². B = 2.5 × the mean cost to ε at Γ = 0.
+J_K/J_all = (Σ_K G√c)²/(Σ G√c)². B = 2.5 × the mean tuning cost to ε at Γ = 0.
 
     python benchmarks/subset_selection.py --seeds 20 --out benchmarks/results
     python benchmarks/subset_selection.py --quick
@@ -34,6 +35,7 @@ from cost_aware_sgd import (
     KAPPAS,
     QUICK_KAPPAS,
     Run,
+    downsample,
     lad_minimize,
     make_problem,
     sampler_distribution,
@@ -45,8 +47,8 @@ from cost_aware_sgd import (
 
 from trl_costaware import subset
 
-GAMMA_FRACTIONS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5)
-QUICK_GAMMA_FRACTIONS = (0.0, 0.05, 0.2, 0.5)
+GAMMA_FRACTIONS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
+QUICK_GAMMA_FRACTIONS = (0.0, 0.02, 0.1)
 
 
 def kept_distribution(G: np.ndarray, c: np.ndarray, kept: np.ndarray) -> np.ndarray:
@@ -61,42 +63,22 @@ def bias_floor(pr, kept: np.ndarray) -> float:
     return float(pr.relative_error(x_k[None])[0])
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--seeds", type=int, default=20)
-    ap.add_argument("--tune-seeds", type=int, default=6)
-    ap.add_argument("--replicates", type=int, default=4, help="SGD chains per seed and Γ (the error is their mean)")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    ap.add_argument("--target", type=float, default=0.01)
-    ap.add_argument("--g-sigma", type=float, default=0.7)
-    args = ap.parse_args(argv)
-
-    if args.quick:
-        seeds, tune_seeds, replicates, fractions = list(range(3)), [1000, 1001], 2, QUICK_GAMMA_FRACTIONS
-        kappas = QUICK_KAPPAS
-    else:
-        seeds, tune_seeds = list(range(args.seeds)), list(range(1000, 1000 + args.tune_seeds))
-        replicates, fractions = args.replicates, GAMMA_FRACTIONS
-        kappas = KAPPAS
+def run_family(label, kw, seeds, tune_seeds, replicates, fractions, kappas, target) -> dict:
     t0 = time.time()
-    kw = {"g_sigma": args.g_sigma}
-
-    # κ for p* on the full data, tuned as in cost_aware_sgd.py.
+    # κ per Γ, tuned as in cost_aware_sgd.py (worst case over the tuning instances, same number of chains): a step
+    # tuned on the full data puts the SGD noise floor right at ε and leaves no room for any bias.
     tune_problems = [make_problem(s, **kw) for s in tune_seeds]
     cap = 60.0 * float(np.mean([pr.c.sum() for pr in tune_problems]))
     dists = {
-        "gradient_over_sqrt_cost": [sampler_distribution("gradient_over_sqrt_cost", q.G, q.c) for q in tune_problems]
+        f"{frac:g}": [
+            kept_distribution(q.G, q.c, subset.select_subset_greedy(q.c, q.G, frac * q.G.mean()).kept)
+            for q in tune_problems
+        ]
+        for frac in fractions
     }
-    best, _ = tune_kappa(tune_problems, dists, kappas, args.target, cap, replicates)
-    kappa = best["gradient_over_sqrt_cost"]
-    # The fixed cost budget B: 2.5 × the mean cost to ε of p* on the full data (tuning instances, fresh draws).
-    full_runs = [
-        Run(k, d, step_size(kappa, args.target, pr, pr.G, d), 20_000 + k)
-        for k, (pr, d) in enumerate(zip(tune_problems, dists["gradient_over_sqrt_cost"], strict=True))
-    ]
-    full_cost = simulate(tune_problems, full_runs, args.target, replicates=replicates, cost_cap=cap).hit_cost
-    budget = 2.5 * float(np.nanmean(full_cost))
+    best, table = tune_kappa(tune_problems, dists, kappas, target, cap, replicates, allow_failures=True)
+    # The fixed cost budget B: 2.5 × the mean tuning cost to ε of p* on the full data (Γ = 0).
+    budget = 2.5 * float(np.mean(table["0"][f"{best['0']:.6g}"]))
     t_tune = time.time() - t0
 
     problems = [make_problem(s, **kw) for s in seeds]
@@ -107,13 +89,14 @@ def main(argv: list[str] | None = None) -> dict:
             sel = subset.select_subset_greedy(pr.c, pr.G, frac * g_bar)
             best_sel = subset.select_subset_greedy(pr.c, pr.G, frac * g_bar, order="best")
             p = kept_distribution(pr.G, pr.c, sel.kept)
-            G_kept = np.where(p > 0, pr.G, 0.0)
-            runs.append(Run(k, p, step_size(kappa, args.target, pr, G_kept, p), pr.seed))
+            kappa = best[f"{frac:g}"]
+            runs.append(Run(k, p, step_size(kappa, target, pr, pr.G, p), pr.seed))
             meta.append(
                 {
                     "seed": pr.seed,
                     "gamma_fraction": frac,
                     "gamma": frac * g_bar,
+                    "kappa": kappa,
                     "dropped": int(sel.dropped.size),
                     "bias_bound": sel.bias_bound,
                     "bias_bound_fraction": sel.bias_bound / g_bar,
@@ -125,38 +108,71 @@ def main(argv: list[str] | None = None) -> dict:
                     "bias_floor": bias_floor(pr, sel.kept),
                 }
             )
-    res = simulate(problems, runs, args.target, replicates=replicates, cost_cap=budget, run_until=budget, record=True)
+    res = simulate(problems, runs, target, replicates=replicates, cost_cap=budget, run_until=budget, record=True)
     for j, m in enumerate(meta):
         m["hit_cost"] = float(res.hit_cost[j])
         cc, ee = res.curves[j]
         m["final_error"] = float(ee[cc >= 0.9 * budget].mean())  # mean over the last 10% of the budget
         m["min_error"] = float(res.min_error[j])
-        m["curve"] = [cc[:: max(1, cc.size // 200)].round(1).tolist(), ee[:: max(1, cc.size // 200)].tolist()]
+        m["curve"] = downsample(cc, ee, points=100)
     t_eval = time.time() - t0 - t_tune
+    return {
+        "label": label,
+        "problem": kw,
+        "seeds": seeds,
+        "tune_seeds": tune_seeds,
+        "replicates": replicates,
+        "kappa": best,
+        "kappa_grid": kappas,
+        "tuning_table": table,
+        "budget": budget,
+        "gamma_fractions": list(fractions),
+        "summary": summarize(meta, fractions),
+        "runs": meta,
+        "seconds": {"tune": t_tune, "eval": t_eval},
+    }
 
-    rows = summarize(meta, fractions)
-    table = markdown_table(rows, len(seeds), replicates, kappa, budget, args.target)
-    print(table)
-    print(f"(tuning {t_tune:.0f}s, evaluation {t_eval:.0f}s)")
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", type=int, default=20)
+    ap.add_argument("--tune-seeds", type=int, default=6)
+    ap.add_argument("--replicates", type=int, default=4, help="SGD chains per seed and Γ (the error is their mean)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--target", type=float, default=0.01)
+    ap.add_argument("--g-sigma", type=float, default=0.7)
+    ap.add_argument("--no-noise-free", action="store_true", help="skip the noise-free (consistent data) family")
+    args = ap.parse_args(argv)
+
+    if args.quick:
+        seeds, tune_seeds, replicates, fractions = list(range(3)), [1000, 1001], 2, QUICK_GAMMA_FRACTIONS
+        kappas = QUICK_KAPPAS
+    else:
+        seeds, tune_seeds = list(range(args.seeds)), list(range(1000, 1000 + args.tune_seeds))
+        replicates, fractions = args.replicates, GAMMA_FRACTIONS
+        kappas = KAPPAS
+    families = [("noisy data (Laplace noise 0.3)", {"g_sigma": args.g_sigma, "noise": 0.3})]
+    if not args.no_noise_free:
+        # Consistent data: every subset that spans R^d has the same minimiser, so the bias floor is 0 and only the
+        # cost side of the trade-off remains (the best case for dropping examples).
+        families.append(("noise-free data (b = Ux_true)", {"g_sigma": args.g_sigma, "noise": 0.0}))
+    results = []
+    for label, kw in families:
+        fam = run_family(label, kw, seeds, tune_seeds, replicates, fractions, kappas, args.target)
+        results.append(fam)
+        print(markdown_table(fam, args.target))
+        print(f"(tuning {fam['seconds']['tune']:.0f}s, evaluation {fam['seconds']['eval']:.0f}s)\n", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "subset_selection",
         "command": "python benchmarks/subset_selection.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quick": args.quick,
         "target": args.target,
-        "problem": kw,
-        "seeds": seeds,
-        "tune_seeds": tune_seeds,
-        "replicates": replicates,
-        "kappa": kappa,
-        "budget": budget,
-        "gamma_fractions": list(fractions),
-        "summary": rows,
-        "runs": meta,
-        "seconds": {"tune": t_tune, "eval": t_eval},
+        "families": results,
     }
     (args.out / "subset_selection.json").write_text(json.dumps(sanitize(payload)))
-    plot(rows, budget, args.target, args.out / "subset_selection.png", len(seeds))
+    plot(results, args.target, args.out / "subset_selection.png")
     print(f"wrote {args.out / 'subset_selection.json'} and {args.out / 'subset_selection.png'}")
     return payload
 
@@ -178,6 +194,7 @@ def summarize(meta: list[dict], fractions) -> list[dict]:
         ratios = np.asarray([m["hit_cost"] / base[m["seed"]] for m in ms])
         row = {"gamma_fraction": frac, "not_reached": int(np.isnan(hits).sum()), "n": len(ms)}
         for key in (
+            "kappa",
             "dropped",
             "bias_bound",
             "bias_bound_fraction",
@@ -197,18 +214,20 @@ def summarize(meta: list[dict], fractions) -> list[dict]:
     return rows
 
 
-def markdown_table(rows, n_seeds, replicates, kappa, budget, target) -> str:
+def markdown_table(fam: dict, target: float) -> str:
+    rows = fam["summary"]
     lines = [
         (
-            f"Subset selection (greedy, cost order): {n_seeds} seeds × {replicates} SGD replicates, p ∝ G/√c on the "
-            f"kept set, η = κ ε_abs/S_K(p) with κ = {kappa:.4g}; ε = {target}; budget B = {budget:,.0f}"
+            f"**{fam['label']}**: greedy (cost order), {len(fam['seeds'])} seeds × {fam['replicates']} SGD "
+            f"replicates, p ∝ G/√c on the kept set, η = κ ε_abs/S_K(p) with κ tuned per Γ; ε = {target}; "
+            f"budget B = {fam['budget']:,.0f}"
         ),
         "",
         (
-            "| Γ / Ḡ | dropped (of 1000) | bias bound / Ḡ | pass cost Σ_K c / Σ c | theory J_K/J_all | LP gap | "
+            "| Γ / Ḡ | dropped (of 1000) | bias bound / Ḡ | pass cost Σ_K c / Σ c | theory J_K/J_all | LP gap | κ | "
             "cost to ε on full F (mean ± std) | / Γ=0 (per seed) | error at B (mean ± std) | bias floor |"
         ),
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         g_frac = r["gamma_fraction"]
@@ -224,40 +243,53 @@ def markdown_table(rows, n_seeds, replicates, kappa, budget, target) -> str:
         )
         lines.append(
             f"| {g_frac:g} | {r['dropped']:.1f} | {r['bias_bound_fraction']:.3f} | {r['pass_cost_ratio']:.3f} | "
-            f"{r['cost_factor_ratio']:.3f} | {r['lp_gap']:.1e} | {hit} | {ratio} | "
+            f"{r['cost_factor_ratio']:.3f} | {r['lp_gap']:.1e} | {r['kappa']:.3g} | {hit} | {ratio} | "
             f"{r['final_error']:.4f} ± {r['final_error_std']:.4f} | {r['bias_floor']:.4f} |"
         )
     return "\n".join(lines)
 
 
-def plot(rows, budget, target, path: Path, n_seeds: int) -> None:
+def plot(families: list[dict], target: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    x = np.asarray([r["gamma_fraction"] for r in rows])
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    hit = np.asarray([r["hit_cost"] for r in rows])
-    hit_sd = np.asarray([r["hit_cost_std"] for r in rows])
-    a1.errorbar(x, hit, yerr=hit_sd, marker="o", capsize=3, label="measured (mean ± std over seeds)")
-    a1.plot(
-        x, hit[0] * np.asarray([r["cost_factor_ratio"] for r in rows]), "k--", label="theory: cost(Γ=0) × J_K/J_all"
-    )
-    a1.set_xlabel("bias budget Γ / Ḡ")
-    a1.set_ylabel(f"total cost to reach ε = {target} on the full F")
-    a1.set_title("cost to target (missing points: not reached within B)")
-    a1.legend(fontsize=8)
-    err = np.asarray([r["final_error"] for r in rows])
-    err_sd = np.asarray([r["final_error_std"] for r in rows])
-    a2.errorbar(x, err, yerr=err_sd, marker="o", capsize=3, label=f"error at cost B = {budget:,.0f}")
-    a2.plot(x, [r["bias_floor"] for r in rows], "s-", label="bias floor (F(x*_K) − F*)/(F(x₀) − F*)")
-    a2.axhline(target, color="k", ls="--", lw=0.8, label=f"ε = {target}")
-    a2.set_yscale("log")
-    a2.set_xlabel("bias budget Γ / Ḡ")
-    a2.set_ylabel("relative error on the full objective")
-    a2.set_title(f"final error against Γ ({n_seeds} seeds)")
-    a2.legend(fontsize=8)
+    fig, axes = plt.subplots(len(families), 2, figsize=(12, 4.2 * len(families)), squeeze=False)
+    for (a1, a2), fam in zip(axes, families, strict=True):
+        rows = fam["summary"]
+        x = np.asarray([r["gamma_fraction"] for r in rows])
+        hit = np.asarray([r["hit_cost"] for r in rows])
+        hit_sd = np.asarray([r["hit_cost_std"] for r in rows])
+        a1.errorbar(x, hit, yerr=hit_sd, marker="o", capsize=3, label="measured (mean ± std over seeds)")
+        theory = hit[0] * np.asarray([r["cost_factor_ratio"] for r in rows])
+        a1.plot(x, theory, "k--", label="cost(Γ=0) × J_K/J_all (same step)")
+        for xi, r in zip(x, rows, strict=True):
+            if r["not_reached"]:
+                a1.annotate(
+                    f"{r['not_reached']}/{r['n']} not reached",
+                    (xi, 0),
+                    textcoords="offset points",
+                    xytext=(0, 8),
+                    ha="center",
+                    fontsize=7,
+                )
+        a1.set_ylim(bottom=0)
+        a1.set_xlabel("bias budget Γ / Ḡ")
+        a1.set_ylabel(f"total cost to ε = {target} on the full F")
+        a1.set_title(f"{fam['label']}: cost to target")
+        a1.legend(fontsize=8)
+        err = np.asarray([r["final_error"] for r in rows])
+        err_sd = np.asarray([r["final_error_std"] for r in rows])
+        a2.errorbar(x, err, yerr=err_sd, marker="o", capsize=3, label=f"SGD error at cost B = {fam['budget']:,.0f}")
+        floor = np.asarray([r["bias_floor"] for r in rows])
+        a2.plot(x, np.maximum(floor, 1e-6), "s-", label="bias floor (F(x*_K) − F*)/(F(x₀) − F*)")
+        a2.axhline(target, color="k", ls="--", lw=0.8, label=f"ε = {target}")
+        a2.set_yscale("log")
+        a2.set_xlabel("bias budget Γ / Ḡ")
+        a2.set_ylabel("relative error on the full objective")
+        a2.set_title(f"{fam['label']}: final error ({len(fam['seeds'])} seeds)")
+        a2.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
