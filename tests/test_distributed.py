@@ -17,6 +17,7 @@ CPU Adam on first use, and the example script under each config). See DEVELOPERS
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import json
 import os
 import shutil
@@ -51,6 +52,14 @@ EXPECTED = {  # distributed_type, zero stage (None: not DeepSpeed), num_machines
     "multi_node": ("MULTI_GPU", None, 2),
 }
 
+
+# DeepSpeed is an optional extra: its tests carry the `deepspeed` marker and skip when it is not installed.
+DEEPSPEED = [
+    pytest.mark.deepspeed,
+    pytest.mark.skipif(
+        importlib.util.find_spec("deepspeed") is None, reason="needs DeepSpeed (pip install .[deepspeed])"
+    ),
+]
 
 # Under `pytest -n N --dist loadgroup` (make test) keep the tests that share a reference run in one worker. (With
 # pytest 9 + xdist 3.8 the grouping is silently ignored; `run_once` makes the sharing hold across workers anyway.)
@@ -247,8 +256,7 @@ def _deepspeed_config_as_launched(name, monkeypatch) -> dict:
     return plugin.deepspeed_config
 
 
-@pytest.mark.deepspeed
-@pytest.mark.parametrize("name", DEEPSPEED_CONFIGS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=DEEPSPEED) for n in DEEPSPEED_CONFIGS])
 def test_deepspeed_config_passes_deepspeed_checks(name, tiny_model, monkeypatch, tmp_path):
     """Resolve the "auto" values the way the Trainer does, then run DeepSpeed's own config parser and checks."""
     from deepspeed.runtime.config import DeepSpeedConfig
@@ -351,9 +359,8 @@ def test_ddp(launch, lora):
 
 @BACKENDS_GROUP
 @pytest.mark.multiprocess
-@pytest.mark.deepspeed
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("config", ["zero2", "zero3"])
+@pytest.mark.parametrize("config", [pytest.param(c, marks=DEEPSPEED) for c in ("zero2", "zero3")])
 def test_zero_matches_ddp(launch, initial_state, config, lora):
     ddp = launch("multi_gpu", lora)
     result = launch(config, lora)
@@ -366,6 +373,7 @@ def test_zero_matches_ddp(launch, initial_state, config, lora):
 @pytest.mark.multiprocess
 @pytest.mark.deepspeed
 @pytest.mark.slow
+@DEEPSPEED[1]
 def test_zero3_offload_matches_ddp(launch, initial_state):
     """Compiles DeepSpeed's CPU Adam on first use (~4 min on 2 busy cores; cached under ~/.cache/torch_extensions)."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
@@ -430,7 +438,7 @@ def test_two_nodes_static_rendezvous(launch, tiny_model, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- zero-signal rank
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ["ddp", pytest.param("zero3", marks=pytest.mark.deepspeed)])
+@pytest.mark.parametrize("backend", ["ddp", pytest.param("zero3", marks=DEEPSPEED)])
 def test_rank_without_signal(tiny_model, tmp_path, backend):
     """Rank 1's rewards are constant (all its advantages are 0), rank 0's vary: no hang, identical weights, and the
     metrics report one zero-signal rank. Launched with torchrun; ZeRO-3 via `CostAwareGRPOConfig(deepspeed=...)`, and
@@ -564,8 +572,8 @@ def launch_example(tmp_path_factory, warm_model_path):
     [
         "single_gpu",
         "multi_gpu",
-        pytest.param("zero2", marks=pytest.mark.deepspeed),
-        pytest.param("zero3", marks=pytest.mark.deepspeed),
+        pytest.param("zero2", marks=DEEPSPEED),
+        pytest.param("zero3", marks=DEEPSPEED),
     ],
 )
 def test_example_script_under_config(launch_example, config):
