@@ -373,6 +373,7 @@ def test_zero_matches_ddp(launch, initial_state, config, lora):
 @pytest.mark.multiprocess
 @pytest.mark.deepspeed
 @pytest.mark.slow
+@pytest.mark.offload
 @DEEPSPEED[1]
 def test_zero3_offload_matches_ddp(launch, initial_state):
     """Compiles DeepSpeed's CPU Adam on first use (~4 min on 2 busy cores; cached under ~/.cache/torch_extensions)."""
