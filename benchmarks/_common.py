@@ -1,0 +1,235 @@
+"""Shared helpers of the GRPO benchmarks on the embedded default (tiny model, arithmetic task).
+
+One training run is one subprocess (`python benchmarks/_common.py SPEC.json`), so a benchmark can keep both cores busy
+with one single-threaded run each (`OMP_NUM_THREADS=1`; two threads per run were measured ~10x slower on 2 cores).
+Every run writes the trainer's `cost_aware_metrics.jsonl` and `cost_aware_run.json` to its output dir (read by
+`trl_costaware.compare`), plus `bench_result.json`: wall times, per-step timings of the sampler and of the policy
+update, and held-out accuracy at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+RESULT_FILE = "bench_result.json"
+
+# The best GRPO recipe found on the embedded default (see BENCHMARKS.md, "Baseline recipe"): 16 prompts x 16
+# rollouts per step, one optimizer step per generation batch, constant Adam lr 1e-4, no KL.
+BASE_SETTINGS = dict(
+    per_device_train_batch_size=256,
+    num_generations=16,
+    steps_per_generation=1,
+    max_completion_length=20,
+    learning_rate=1e-4,
+    lr_scheduler_type="constant",
+    warmup_steps=0,
+    loss_type="dapo",
+    beta=0.0,
+    temperature=1.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    disable_tqdm=True,
+)
+
+ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "offline",
+    "WANDB_SILENT": "true",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
+# ==================================================================================================== one run
+def _trainer_classes():
+    import torch
+
+    from trl_costaware import CostAwareGRPOTrainer
+    from trl_costaware.batching import select_rows, trim_to_longest
+
+    class TimedTrainer(CostAwareGRPOTrainer):
+        """Times the sampler (`_draw_kept_rows`, `_process_new_buffer`), generation and the policy update."""
+
+        def __init__(self, *a, **k):
+            self.bench_timers = {"draw": [], "process_buffer": [], "prepare_inputs": [], "training_step": []}
+            super().__init__(*a, **k)
+
+        def _timed(self, key, fn, *a, **k):
+            t0 = time.perf_counter()
+            out = fn(*a, **k)
+            self.bench_timers[key].append(time.perf_counter() - t0)
+            return out
+
+        def _draw_kept_rows(self, batch):
+            return self._timed("draw", super()._draw_kept_rows, batch)
+
+        def _process_new_buffer(self):
+            return self._timed("process_buffer", super()._process_new_buffer)
+
+        def _prepare_inputs(self, generation_batch):
+            if not self.model.training:
+                return super()._prepare_inputs(generation_batch)
+            return self._timed("prepare_inputs", super()._prepare_inputs, generation_batch)
+
+        def training_step(self, *a, **k):
+            return self._timed("training_step", super().training_step, *a, **k)
+
+    class ZeroVarianceFilterTrainer(TimedTrainer):
+        """GRPO (cost_aware=False) that drops the rows of groups whose rewards are all equal (zero advantage for
+        every row of the group) before the policy update, and renormalises the token-sum losses by the kept tokens
+        (as DAPO's dynamic sampling trains on the informative rows only). Single process only."""
+
+        def _generate_and_score_completions(self, inputs):
+            batch = super()._generate_and_score_completions(inputs)
+            if not self.model.training:
+                return batch
+            g = self.num_generations
+            adv = batch["advantages"].detach().float()
+            informative = adv.view(-1, g).abs().amax(1) > 0  # a group with equal rewards has A = 0 on every row
+            keep = informative.repeat_interleave(g).nonzero().flatten()
+            spg = self.args.steps_per_generation
+            if len(keep) < spg:  # nothing to learn from: keep spg rows (zero advantage, no gradient)
+                keep = torch.arange(spg)
+            keep = keep[: len(keep) - len(keep) % spg]
+            batch = trim_to_longest(select_rows(batch, keep))
+            mask = batch["completion_mask"]
+            batch["num_items_in_batch"] = mask.sum().clamp(min=1).to(batch["num_items_in_batch"])
+            self._metrics["train"]["bench/zero_variance_kept_fraction"].append(len(keep) / len(adv))
+            return batch
+
+    return TimedTrainer, ZeroVarianceFilterTrainer
+
+
+def train_one(spec: dict) -> dict:
+    """Train one run described by `spec` and write `bench_result.json` to its output dir.
+
+    spec: output_dir, seed, steps, arm ("grpo", "cost_aware", "grpo_zero_var_filter"), settings (CostAwareGRPOConfig
+    overrides on top of BASE_SETTINGS), eval_n (held-out problems; 0: no evaluation), group.
+    """
+    import torch
+
+    from trl_costaware import CostAwareGRPOConfig
+    from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward, evaluate_accuracy, warmed_up_model_path
+
+    torch.manual_seed(spec["seed"])
+    timed_cls, filter_cls = _trainer_classes()
+    arm = spec["arm"]
+    settings = {**BASE_SETTINGS, **spec.get("settings", {})}
+    config = CostAwareGRPOConfig(
+        output_dir=spec["output_dir"],
+        max_steps=spec["steps"],
+        seed=spec["seed"],
+        cost_aware=arm == "cost_aware",
+        cost_aware_run_group=spec.get("group"),
+        **settings,
+    )
+    prompts_per_step = settings["per_device_train_batch_size"] // settings["num_generations"]
+    dataset = arithmetic_dataset(spec["steps"] * prompts_per_step + 64, seed=spec["seed"])
+    cls = filter_cls if arm == "grpo_zero_var_filter" else timed_cls
+    model_path = warmed_up_model_path()
+    trainer = cls(model_path, [arithmetic_reward], args=config, train_dataset=dataset)
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    result = {
+        "spec": spec,
+        "wall_train_s": wall,
+        "timers": trainer.bench_timers,
+        "totals": dict(trainer._cost_aware_totals),
+    }
+    if spec.get("eval_n", 0):
+        model = trainer.model.eval()
+        tok = trainer.processing_class
+        result["eval_greedy_acc"] = evaluate_accuracy(model, n=spec["eval_n"], tokenizer=tok)
+        result["eval_sampled_acc"] = evaluate_accuracy(model, n=spec["eval_n"], tokenizer=tok, do_sample=True)
+    with open(os.path.join(spec["output_dir"], RESULT_FILE), "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    return result
+
+
+# ==================================================================================================== many runs
+def run_many(specs: list[dict], jobs: int = 2, log_dir: str | None = None) -> list[dict]:
+    """Run the specs as subprocesses, `jobs` at a time (one single-threaded run per core); skip a run whose
+    `bench_result.json` already exists. Returns the results in spec order (None for a run that failed)."""
+    env = {**os.environ, **ENV, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    pending = [s for s in specs if not os.path.exists(os.path.join(s["output_dir"], RESULT_FILE))]
+    running: list[tuple[subprocess.Popen, dict, float]] = []
+    t_start = time.perf_counter()
+    done = len(specs) - len(pending)
+    while pending or running:
+        while pending and len(running) < jobs:
+            spec = pending.pop(0)
+            os.makedirs(spec["output_dir"], exist_ok=True)
+            spec_path = os.path.join(spec["output_dir"], "bench_spec.json")
+            with open(spec_path, "w", encoding="utf-8") as fh:
+                json.dump(spec, fh)
+            log = open(os.path.join(spec["output_dir"], "bench_log.txt"), "w", encoding="utf-8")  # noqa: SIM115
+            proc = subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), spec_path], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+            running.append((proc, spec, time.perf_counter()))
+        time.sleep(0.5)
+        for item in list(running):
+            proc, spec, t0 = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            done += 1
+            status = "ok" if proc.returncode == 0 else f"FAILED rc={proc.returncode} (see bench_log.txt)"
+            print(
+                f"  [{done}/{len(specs)}] {os.path.basename(spec['output_dir'])}: {status}, "
+                f"{time.perf_counter() - t0:.0f}s (elapsed {time.perf_counter() - t_start:.0f}s)",
+                flush=True,
+            )
+    return [load_result(s["output_dir"]) for s in specs]
+
+
+def load_result(output_dir: str) -> dict | None:
+    path = os.path.join(output_dir, RESULT_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def spread(values: list[float]) -> dict:
+    """mean, median, min, max and sample std of the finite values (None when empty)."""
+    import numpy as np
+
+    v = np.array([x for x in values if x is not None and np.isfinite(x)], dtype=float)
+    if len(v) == 0:
+        return {"n": 0, "mean": None, "median": None, "min": None, "max": None, "std": None}
+    return {
+        "n": int(len(v)),
+        "mean": float(v.mean()),
+        "median": float(np.median(v)),
+        "min": float(v.min()),
+        "max": float(v.max()),
+        "std": float(v.std(ddof=1)) if len(v) > 1 else 0.0,
+    }
+
+
+def fmt_spread(s: dict, fmt: str = "{:.1f}") -> str:
+    if not s or s.get("n", 0) == 0:
+        return "n/a"
+    if s["n"] == 1:
+        return fmt.format(s["mean"])
+    return f"{fmt.format(s['mean'])} ± {fmt.format(s['std'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1], encoding="utf-8") as fh:
+        train_one(json.load(fh))
