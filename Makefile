@@ -55,3 +55,30 @@ format: $(STAMP)
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .cache
+
+# ---------------------------------------------------------------------------------------------------- benchmarks
+# BENCHMARKS.md has the tables these produce. `bench-quick` takes ~30 min on 2 cores, `bench` several hours.
+BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+QUICK ?=
+
+.PHONY: bench bench-quick bench-sgd bench-subset bench-token-efficiency bench-proxy-fidelity bench-overhead
+
+bench-sgd: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/cost_aware_sgd.py $(QUICK)
+
+bench-subset: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/subset_selection.py $(QUICK)
+
+bench-token-efficiency: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/token_efficiency.py $(QUICK)
+
+bench-proxy-fidelity: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/proxy_fidelity.py $(QUICK)
+
+bench-overhead: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/overhead.py $(QUICK)
+
+bench: bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-overhead
+
+bench-quick:
+	$(MAKE) bench QUICK=--quick
