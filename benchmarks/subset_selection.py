@@ -259,18 +259,18 @@ def plot(families: list[dict], target: float, path: Path) -> None:
     for (a1, a2), fam in zip(axes, families, strict=True):
         rows = fam["summary"]
         x = np.asarray([r["gamma_fraction"] for r in rows])
-        hit = np.asarray([r["hit_cost"] for r in rows])
-        hit_sd = np.asarray([r["hit_cost_std"] for r in rows])
+        hit = np.asarray([r["hit_cost"] for r in rows], dtype=float)  # None (from JSON) → nan
+        hit_sd = np.asarray([r["hit_cost_std"] for r in rows], dtype=float)
         a1.errorbar(x, hit, yerr=hit_sd, marker="o", capsize=3, label="measured (mean ± std over seeds)")
-        theory = hit[0] * np.asarray([r["cost_factor_ratio"] for r in rows])
+        theory = hit[0] * np.asarray([r["cost_factor_ratio"] for r in rows], dtype=float)
         a1.plot(x, theory, "k--", label="cost(Γ=0) × J_K/J_all (same step)")
-        for xi, r in zip(x, rows, strict=True):
+        for k, (xi, r) in enumerate(zip(x, rows, strict=True)):
             if r["not_reached"]:
                 a1.annotate(
-                    f"{r['not_reached']}/{r['n']} not reached",
+                    f"{r['not_reached']}/{r['n']}\nnot reached",
                     (xi, 0),
                     textcoords="offset points",
-                    xytext=(0, 8),
+                    xytext=(0, 6 + 18 * (k % 2)),
                     ha="center",
                     fontsize=7,
                 )
@@ -279,11 +279,11 @@ def plot(families: list[dict], target: float, path: Path) -> None:
         a1.set_ylabel(f"total cost to ε = {target} on the full F")
         a1.set_title(f"{fam['label']}: cost to target")
         a1.legend(fontsize=8)
-        err = np.asarray([r["final_error"] for r in rows])
-        err_sd = np.asarray([r["final_error_std"] for r in rows])
+        err = np.asarray([r["final_error"] for r in rows], dtype=float)
+        err_sd = np.asarray([r["final_error_std"] for r in rows], dtype=float)
         a2.errorbar(x, err, yerr=err_sd, marker="o", capsize=3, label=f"SGD error at cost B = {fam['budget']:,.0f}")
-        floor = np.asarray([r["bias_floor"] for r in rows])
-        a2.plot(x, np.maximum(floor, 1e-6), "s-", label="bias floor (F(x*_K) − F*)/(F(x₀) − F*)")
+        floor = np.asarray([r["bias_floor"] for r in rows], dtype=float)
+        a2.plot(x, np.maximum(floor, 1e-6), "s-", label="bias floor (F(x*_K) − F*)/(F(x₀) − F*) (0 drawn at 1e-6)")
         a2.axhline(target, color="k", ls="--", lw=0.8, label=f"ε = {target}")
         a2.set_yscale("log")
         a2.set_xlabel("bias budget Γ / Ḡ")
