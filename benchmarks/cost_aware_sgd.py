@@ -505,12 +505,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, default=20, help="evaluation seeds (problem instance + SGD draws)")
     ap.add_argument("--tune-seeds", type=int, default=6, help="tuning instances for κ (seeds 1000, 1001, ...)")
     ap.add_argument("--quick", action="store_true", help="few seeds and a coarse κ grid (for make bench-quick)")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default benchmarks/results, or benchmarks/results/tmp with --quick)",
+    )
     ap.add_argument("--target", type=float, default=0.01, help="relative suboptimality ε")
     ap.add_argument("--g-sigma", type=float, default=0.7, help="σ of the log-normal gradient norms G_i")
     ap.add_argument("--replicates", type=int, default=4, help="SGD chains per seed (the error is their mean)")
     ap.add_argument("--no-equal-g", action="store_true", help="skip the equal-G_i control family")
     args = ap.parse_args(argv)
+    if args.out is None:  # quick runs never overwrite the committed full results
+        args.out = Path("benchmarks/results/tmp" if args.quick else "benchmarks/results")
 
     if args.quick:
         seeds, tune_seeds, replicates = list(range(3)), [1000, 1001], 2

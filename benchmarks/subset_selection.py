@@ -139,11 +139,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tune-seeds", type=int, default=6)
     ap.add_argument("--replicates", type=int, default=4, help="SGD chains per seed and Γ (the error is their mean)")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="output folder (default benchmarks/results, or benchmarks/results/tmp with --quick)",
+    )
     ap.add_argument("--target", type=float, default=0.01)
     ap.add_argument("--g-sigma", type=float, default=0.7)
     ap.add_argument("--no-noise-free", action="store_true", help="skip the noise-free (consistent data) family")
     args = ap.parse_args(argv)
+    if args.out is None:  # quick runs never overwrite the committed full results
+        args.out = Path("benchmarks/results/tmp" if args.quick else "benchmarks/results")
 
     if args.quick:
         seeds, tune_seeds, replicates, fractions = list(range(3)), [1000, 1001], 2, QUICK_GAMMA_FRACTIONS
