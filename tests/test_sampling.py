@@ -247,7 +247,6 @@ pos_weights = st.lists(st.floats(min_value=1e-3, max_value=1e3), min_size=1, max
 @FAST
 @given(w=pos_weights)
 def test_normalize_weights_means(w):
-    # float32 tolerance: normalize_weights rounds its input to float32 (see the precision xfail below).
     w = torch.tensor(w, dtype=torch.float64)
     none, s0 = normalize_weights(w, "none")
     torch.testing.assert_close(none, w, rtol=1e-6, atol=0)
@@ -363,16 +362,9 @@ def test_j_ratio_zero_probability_on_a_gradient_row_is_infinite():
     assert j_ratio_ideal(torch.zeros(3), c) == 1.0 and j_ratio_achieved(torch.zeros(3), c, uniform(3)) == 1.0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG (precision) in sampling._clean: it casts every input to float32 (`x.float()`), so float64 weights "
-    "and probabilities are rounded to float32 (normalize_weights('none') is not the identity on the float64 draw "
-    "weights) and values below ~1e-45 become 0: j_ratio_achieved then reports J = inf at p* itself, and "
-    "inclusion_probabilities / draw_multinomial can never pick such rows. Fix: keep float64 in _clean, e.g. "
-    "`x = x if x.dtype == torch.float64 else x.float()`, and call torch.multinomial on the float64 p.",
-)
 def test_float64_inputs_keep_float64_precision():
-    # "none" should be the identity on the float64 weights the draws return; it rounds them to float32.
+    """Regression: _clean once cast every input to float32, so tiny probabilities became 0 (J = inf at p*)."""
+    # "none" is the identity on the float64 weights the draws return (no rounding to float32).
     w = torch.tensor([1.0 + 1e-12, 3.0], dtype=torch.float64)
     assert torch.equal(normalize_weights(w, "none")[0], w)
     g = torch.tensor([1e30, 1e-30], dtype=torch.float64)
@@ -500,3 +492,9 @@ def test_kept_row_counts():
     assert kept_rows_for_token_budget(p, c, budget=50.0, n_max=4) == 2  # expected cost per draw 25
     assert kept_rows_for_token_budget(p, c, budget=1.0, n_max=4) == 1
     assert kept_rows_for_token_budget(p, c, budget=1e9, n_max=4) == 4
+
+
+def test_infinite_cost_makes_a_row_expensive_not_cheap():
+    adv = torch.ones(3)
+    p = sampling_distribution(sampling_scores(adv, torch.tensor([1.0, float("inf"), 4.0]), "advantage"))
+    assert float(p[1]) < float(p[2]) < float(p[0])

@@ -44,7 +44,18 @@ def sequence_costs(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, kin
 
 
 def _clean(x: torch.Tensor) -> torch.Tensor:
-    return torch.nan_to_num(x.float(), nan=0.0, posinf=0.0, neginf=0.0)
+    """Non-finite entries → 0; float64 stays float64 (tiny probabilities must not round to 0)."""
+    x = x if x.dtype == torch.float64 else x.float()
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+# An infinite cost must make a row expensive, not (after cleaning to 0 and clamping to MIN_COST) the cheapest.
+_HUGE_COST = 1e30
+
+
+def _clean_costs(costs: torch.Tensor) -> torch.Tensor:
+    costs = costs if costs.dtype == torch.float64 else costs.float()
+    return torch.nan_to_num(costs, nan=MIN_COST, posinf=_HUGE_COST, neginf=MIN_COST).clamp(min=MIN_COST)
 
 
 def gradient_proxy(advantages: torch.Tensor) -> torch.Tensor:
@@ -64,7 +75,7 @@ def sampling_scores(advantages: torch.Tensor, costs: torch.Tensor, proxy: str = 
     """
     if proxy not in PROXIES:
         raise ValueError(f"proxy must be one of {PROXIES}, got {proxy!r}")
-    costs = _clean(costs).clamp(min=MIN_COST)
+    costs = _clean_costs(costs)
     if proxy == "advantage":
         return gradient_proxy(advantages) / costs.sqrt()
     if proxy == "uniform":
@@ -143,7 +154,7 @@ def draw_multinomial(p: torch.Tensor, m: int, generator: torch.Generator | None 
     if m <= 0:
         raise ValueError(f"m must be positive, got {m}")
     p = p.double()
-    idx = torch.multinomial(p.float().cpu(), m, replacement=True, generator=generator).to(p.device)
+    idx = torch.multinomial(p.cpu(), m, replacement=True, generator=generator).to(p.device)
     weights = 1.0 / (n * p[idx])
     return Draw(indices=idx, weights=weights, probabilities=p)
 
@@ -195,6 +206,8 @@ class WeightStats:
 def effective_sample_size(w: torch.Tensor) -> float:
     """ESS = (Σ w)² / Σ w²; 0 for an all-zero weight vector."""
     w = w.double()
+    if w.numel() and w.abs().max() > 0:
+        w = w / w.abs().max()  # scale-free; keeps w² from under- or overflowing
     sq = (w * w).sum()
     return float(w.sum() ** 2 / sq) if sq > 0 else 0.0
 
@@ -246,6 +259,15 @@ def normalize_weights(
     return w, stats
 
 
+def _scaled(g: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """g and c divided by their maxima: the J ratios are scale-free, and this keeps g² and Σc from overflowing."""
+    g = _clean(g).double().abs()
+    c = _clean_costs(c).double()
+    if g.max() > 0:
+        g = g / g.max()
+    return g, c / c.max()
+
+
 def j_ratio_ideal(g: torch.Tensor, c: torch.Tensor) -> float:
     """Best cost ratio the theory allows against uniform sampling (Cauchy–Schwarz):
 
@@ -253,8 +275,7 @@ def j_ratio_ideal(g: torch.Tensor, c: torch.Tensor) -> float:
 
     All-zero g (nothing to learn from the batch) returns 1.0: no sampler beats uniform there.
     """
-    g = _clean(g).double().abs()
-    c = _clean(c).double().clamp(min=MIN_COST)
+    g, c = _scaled(g, c)
     denom = (g * g).sum() * c.sum()
     if denom <= 0:
         return 1.0
@@ -267,8 +288,7 @@ def j_ratio_achieved(g: torch.Tensor, c: torch.Tensor, p: torch.Tensor) -> float
     J(u) = (Σ g_i²)(Σ c_i). Terms with g_i = 0 contribute 0 to S(p) whatever p_i; g_i > 0 with p_i = 0 makes the
     estimator biased and J infinite: that is reported as `math.inf`, never NaN. All-zero g returns 1.0.
     """
-    g = _clean(g).double().abs()
-    c = _clean(c).double().clamp(min=MIN_COST)
+    g, c = _scaled(g, c)
     p = _clean(p).double().clamp(min=0.0)
     p = p / p.sum() if p.sum() > 0 else torch.full_like(p, 1.0 / p.numel())
     g2 = g * g
@@ -294,6 +314,6 @@ def kept_row_count(n: int, kept_fraction: float, multiple_of: int = 1) -> int:
 
 def kept_rows_for_token_budget(p: torch.Tensor, costs: torch.Tensor, budget: float, n_max: int) -> int:
     """Number of draws whose expected cost fits a token budget: m = floor(budget / Σ_i p_i c_i), in [1, n_max]."""
-    expected = float((p.double() * _clean(costs).double()).sum())
+    expected = float((p.double() * _clean_costs(costs).double()).sum())
     m = int(budget // expected) if expected > 0 else n_max
     return max(1, min(m, n_max))
