@@ -54,8 +54,29 @@ ENV = {
 
 
 # ==================================================================================================== one run
+HELDOUT_SEED = 12345  # the fixed held-out problems (the same for every run and for the final evaluation)
+
+
 def _trainer_classes():
     import torch
+    from transformers import TrainerCallback
+
+    class HeldOutCallback(TrainerCallback):
+        """Greedy accuracy on a fixed set of held-out problems every `every` steps (and before training): a reward
+        curve free of the prompt-difficulty noise of the training batches."""
+
+        def __init__(self, trainer, every: int, n: int):
+            self.trainer, self.every, self.n = trainer, every, n
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.trainer.heldout_curve.append((0, 0.0, self.trainer.heldout_accuracy(self.n)))
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step % self.every == 0:
+                acc = self.trainer.heldout_accuracy(self.n)
+                self.trainer._heldout = acc
+                tokens = self.trainer._cost_aware_totals["policy_tokens"]
+                self.trainer.heldout_curve.append((state.global_step, tokens, acc))
 
     from trl_costaware import CostAwareGRPOTrainer
     from trl_costaware.batching import select_rows, trim_to_longest
@@ -63,9 +84,29 @@ def _trainer_classes():
     class TimedTrainer(CostAwareGRPOTrainer):
         """Times the sampler (`_draw_kept_rows`, `_process_new_buffer`), generation and the policy update."""
 
-        def __init__(self, *a, **k):
+        def __init__(self, *a, heldout_every: int = 0, heldout_n: int = 512, **k):
             self.bench_timers = {"draw": [], "process_buffer": [], "prepare_inputs": [], "training_step": []}
             super().__init__(*a, **k)
+            self._heldout = None
+            self.heldout_curve = []  # (step, policy tokens, greedy accuracy)
+            if heldout_every:
+                self.add_callback(HeldOutCallback(self, heldout_every, heldout_n))
+
+        def heldout_accuracy(self, n: int) -> float:
+            from trl_costaware.embedded import evaluate_accuracy
+
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                return evaluate_accuracy(self.model, n=n, seed=HELDOUT_SEED, tokenizer=self.processing_class)
+            finally:
+                self.model.train(was_training)
+
+        def log(self, logs, start_time=None):
+            if self._heldout is not None and "loss" in logs:
+                logs["heldout_acc"] = self._heldout
+                self._heldout = None
+            super().log(logs, start_time)
 
         def _timed(self, key, fn, *a, **k):
             t0 = time.perf_counter()
@@ -117,7 +158,8 @@ def train_one(spec: dict) -> dict:
     """Train one run described by `spec` and write `bench_result.json` to its output dir.
 
     spec: output_dir, seed, steps, arm ("grpo", "cost_aware", "grpo_zero_var_filter"), settings (CostAwareGRPOConfig
-    overrides on top of BASE_SETTINGS), eval_n (held-out problems; 0: no evaluation), group.
+    overrides on top of BASE_SETTINGS), eval_n (held-out problems at the end; 0: none), heldout_every (greedy held-out
+    accuracy on heldout_n problems every that many steps, logged as `heldout_acc`; 0: none), group.
     """
     import torch
 
@@ -140,7 +182,14 @@ def train_one(spec: dict) -> dict:
     dataset = arithmetic_dataset(spec["steps"] * prompts_per_step + 64, seed=spec["seed"])
     cls = filter_cls if arm == "grpo_zero_var_filter" else timed_cls
     model_path = warmed_up_model_path()
-    trainer = cls(model_path, [arithmetic_reward], args=config, train_dataset=dataset)
+    trainer = cls(
+        model_path,
+        [arithmetic_reward],
+        args=config,
+        train_dataset=dataset,
+        heldout_every=spec.get("heldout_every", 0),
+        heldout_n=spec.get("heldout_n", 512),
+    )
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
@@ -149,6 +198,7 @@ def train_one(spec: dict) -> dict:
         "wall_train_s": wall,
         "timers": trainer.bench_timers,
         "totals": dict(trainer._cost_aware_totals),
+        "heldout_curve": trainer.heldout_curve,
     }
     if spec.get("eval_n", 0):
         model = trainer.model.eval()

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as common  # noqa: E402
 
 SMOOTH = 10  # moving average over 10 logged steps
+HELDOUT_SMOOTH = 3  # held-out accuracy (every 5 steps): moving average over 3 points
 X_KEYS = {"policy": "cost_aware/policy_tokens", "generated": "cost_aware/generated_tokens", "wall": "wall_time"}
 
 # label -> (trainer arm, settings on top of BASE_SETTINGS, suite, comparison group)
@@ -77,13 +78,36 @@ def build_specs(args) -> list[dict]:
                         arm=arm,
                         settings=settings,
                         eval_n=args.eval_n,
+                        heldout_every=args.heldout_every,
+                        heldout_n=512,
                         group=f"token_efficiency-{group}",
                     )
                 )
     return specs
 
 
-def analyse(root: str, steps: int, tag: str) -> dict:
+def step_rewards(run_dir_: str, metric: str = "reward") -> dict[int, float]:
+    """Train reward per global step of a run (from its cost_aware_metrics.jsonl)."""
+    out = {}
+    with open(os.path.join(run_dir_, "cost_aware_metrics.jsonl"), encoding="utf-8") as fh:
+        for line in fh:
+            row = json.loads(line)
+            if row.get("split", "train") == "train" and metric in row:
+                out[int(row["step"])] = float(row[metric])
+    return out
+
+
+def paired_step_difference(base_dir: str, arm_dir: str, steps: int, metric: str = "reward") -> float | None:
+    """Mean over the second half of training of (arm reward − baseline reward) at equal steps: the two runs of one
+    seed see the same prompts at the same step, so this removes the prompt-difficulty noise of the reward curve."""
+    b, a = step_rewards(base_dir, metric), step_rewards(arm_dir, metric)
+    common_steps = [s for s in a if s in b and s > steps // 2]
+    if not common_steps:
+        return None
+    return sum(a[s] - b[s] for s in common_steps) / len(common_steps)
+
+
+def analyse(root: str, steps: int, tag: str, metric: str = "reward", smooth: float = SMOOTH) -> dict:
     from trl_costaware.compare import compare_runs, format_report, load_runs, plot
 
     runs_by_label: dict[str, dict[int, str]] = {}
@@ -95,7 +119,7 @@ def analyse(root: str, steps: int, tag: str) -> dict:
         res = common.load_result(d)
         if label in ARMS and res is not None and res["spec"]["steps"] == steps:
             runs_by_label.setdefault(label, {})[int(seed)] = d
-    out = {"steps": steps, "smoothing": SMOOTH, "groups": {}}
+    out = {"steps": steps, "metric": metric, "smoothing": smooth, "groups": {}}
     for group, base in BASELINES.items():
         labels = [lab for lab in ARMS if ARMS[lab][3] == group and lab in runs_by_label]
         if base not in labels or len(labels) < 2:
@@ -105,15 +129,20 @@ def analyse(root: str, steps: int, tag: str) -> dict:
         g = {"baseline": base, "arms": {}, "reports": {}}
         for xname, xkey in X_KEYS.items():
             result = compare_runs(
-                load_runs(dirs, progress=False), x=xkey, smoothing=SMOOTH, labels=label_rules, baseline=base
+                load_runs(dirs, progress=False),
+                metric=metric,
+                x=xkey,
+                smoothing=smooth,
+                labels=label_rules,
+                baseline=base,
             )
             g["reports"][xname] = format_report(result)
             if xname == "policy":
                 g["baseline_peak"] = result.baseline_peak
                 plot(
                     result,
-                    os.path.join(common.RESULTS, f"token_efficiency_{tag}_{group}.png"),
-                    title=f"reward vs policy-optimisation tokens ({group} loss, {steps} steps, MA {SMOOTH})",
+                    os.path.join(common.RESULTS, f"token_efficiency_{tag}_{group}_{metric}.png"),
+                    title=f"{metric} vs policy-optimisation tokens ({group} loss, {steps} steps, MA {smooth:g})",
                 )
             for a in result.arms:
                 arm = g["arms"].setdefault(a["arm"], {"seeds": sorted(runs_by_label[a["arm"]])})
@@ -128,6 +157,7 @@ def analyse(root: str, steps: int, tag: str) -> dict:
             arm = g["arms"][lab]
             paired = {xname: {1.0: [], 0.99: []} for xname in X_KEYS}
             reached = {1.0: 0, 0.99: 0}
+            step_diffs = []
             finals, accs_g, accs_s, policy, generated, walls, kept = [], [], [], [], [], [], []
             per_seed = []
             for s, d in sorted(runs_by_label[lab].items()):
@@ -141,11 +171,14 @@ def analyse(root: str, steps: int, tag: str) -> dict:
                 row = {"seed": s, "dir": d}
                 if lab != base and s in runs_by_label[base]:
                     pair = [runs_by_label[base][s], d]
+                    step_diffs.append(paired_step_difference(runs_by_label[base][s], d, steps, metric))
+                    row["reward_diff_2nd_half_equal_steps"] = step_diffs[-1]
                     for xname, xkey in X_KEYS.items():
                         r = compare_runs(
                             load_runs(pair, progress=False),
+                            metric=metric,
                             x=xkey,
-                            smoothing=SMOOTH,
+                            smoothing=smooth,
                             labels=[f"{base}__s*=base", f"{lab}__s*=arm"],
                             baseline="base",
                         )
@@ -167,6 +200,7 @@ def analyse(root: str, steps: int, tag: str) -> dict:
             arm["kept_row_fraction"] = common.spread(kept)
             if lab != base:
                 arm["paired_final_minus_baseline"] = common.spread(finals)
+                arm["paired_reward_diff_2nd_half"] = common.spread(step_diffs)
                 arm["paired_reached"] = {f"{k:g}": v for k, v in reached.items()}
                 arm["paired_saving_pct"] = {
                     xname: {f"{f:g}": common.spread(v) | {"raw": v} for f, v in d.items()}
@@ -181,12 +215,13 @@ def summary_markdown(res: dict) -> str:
     for group, g in res["groups"].items():
         base = g["baseline"]
         lines += [
-            f"### {group} loss — baseline `{base}`, {res['steps']} steps, reward MA {res['smoothing']}, "
+            f"### {res['metric']}, {group} loss — baseline `{base}`, {res['steps']} steps, MA {res['smoothing']:g} "
+            "points, "
             f"baseline peak (mean curve) {g['baseline_peak']:.3f}",
             "",
             "Mean curve over seeds (saving vs the baseline arm's mean curve):",
             "",
-            "| arm | seeds | kept rows | policy tokens total | final reward | peak reward | policy tok. to peak "
+            "| arm | seeds | kept rows | policy tokens total | final | peak | policy tok. to peak "
             "(saving) | to 99% (saving) | generated tok. saving to peak / 99% | wall saving to peak / 99% | "
             "greedy acc | sampled acc |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -218,8 +253,8 @@ def summary_markdown(res: dict) -> str:
             "[min, max] over the seeds that reached the target; `reached` = seeds reaching it):",
             "",
             "| arm | reached peak / 99% | policy-token saving to peak | to 99% | generated-token saving to peak |"
-            " wall saving to peak | final reward − baseline |",
-            "|---|---|---|---|---|---|---|",
+            " wall saving to peak | final − baseline | − baseline at equal steps, 2nd half |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for lab, a in g["arms"].items():
             if lab == base:
@@ -228,10 +263,12 @@ def summary_markdown(res: dict) -> str:
             n = len(a["per_seed"])
             lines.append(
                 f"| {lab} | {a['paired_reached']['1']}/{n} , {a['paired_reached']['0.99']}/{n} | "
-                f"{common.fmt_spread(ps['policy']['1'], '{:+.0f}')} | {common.fmt_spread(ps['policy']['0.99'], '{:+.0f}')}"
-                f" | {common.fmt_spread(ps['generated']['1'], '{:+.0f}')} | "
+                f"{common.fmt_spread(ps['policy']['1'], '{:+.0f}')} | "
+                f"{common.fmt_spread(ps['policy']['0.99'], '{:+.0f}')} | "
+                f"{common.fmt_spread(ps['generated']['1'], '{:+.0f}')} | "
                 f"{common.fmt_spread(ps['wall']['1'], '{:+.0f}')} | "
-                f"{common.fmt_spread(a['paired_final_minus_baseline'], '{:+.3f}')} |"
+                f"{common.fmt_spread(a['paired_final_minus_baseline'], '{:+.3f}')} | "
+                f"{common.fmt_spread(a['paired_reward_diff_2nd_half'], '{:+.3f}')} |"
             )
         lines.append("")
     return "\n".join(lines)
@@ -269,6 +306,9 @@ def main(argv=None):
     p.add_argument("--ablation-seeds", type=int, default=2)
     p.add_argument("--suites", default="main,filter,loss,ablations")
     p.add_argument("--eval-n", type=int, default=256, help="held-out problems for the final accuracy")
+    p.add_argument(
+        "--heldout-every", type=int, default=5, help="held-out greedy accuracy every N steps (512 problems)"
+    )
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default=None, help="run folder (default outputs/bench/token_efficiency[_quick])")
     p.add_argument("--analyze-only", action="store_true", help="only read the runs already in --out")
@@ -282,13 +322,18 @@ def main(argv=None):
         specs = build_specs(args)
         print(f"token_efficiency ({tag}): {len(specs)} runs of {args.steps} steps in {args.out}", flush=True)
         common.run_many(specs, jobs=args.jobs)
-    res = analyse(args.out, args.steps, tag)
-    res["command"] = " ".join(["python", "benchmarks/token_efficiency.py", *(argv or sys.argv[1:])])
+    res = {
+        "command": " ".join(
+            ["python", "benchmarks/token_efficiency.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "reward": analyse(args.out, args.steps, tag, "reward", SMOOTH),
+        "heldout_acc": analyse(args.out, args.steps, tag, "heldout_acc", HELDOUT_SMOOTH),
+    }
     base = os.path.join(common.RESULTS, f"token_efficiency_{tag}")
     with open(base + ".json", "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1, default=str)
-    write_csv(res, base + ".csv")
-    md = summary_markdown(res)
+    write_csv(res["reward"], base + ".csv")
+    md = f"`{res['command']}`\n\n" + summary_markdown(res["reward"]) + "\n" + summary_markdown(res["heldout_acc"])
     with open(base + ".md", "w", encoding="utf-8") as fh:
         fh.write(md)
     print(md)
