@@ -57,17 +57,18 @@ clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .cache
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
-# BENCHMARKS.md has the tables these produce. `bench-quick` takes ~30 min on 2 cores, `bench` several hours.
+# BENCHMARKS.md has the tables these produce. `make bench-quick` (smoke versions; the SGD/subset ones write to
+# benchmarks/results/tmp, ours to *_quick files) takes about half an hour on 2 cores, `make bench` several hours.
 BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-token-efficiency bench-proxy-fidelity bench-overhead
 
 bench-sgd: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/cost_aware_sgd.py $(QUICK)
+	$(BENCH_ENV) $(BIN)/python benchmarks/cost_aware_sgd.py $(QUICK) $(if $(QUICK),--out benchmarks/results/tmp,)
 
 bench-subset: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/subset_selection.py $(QUICK)
+	$(BENCH_ENV) $(BIN)/python benchmarks/subset_selection.py $(QUICK) $(if $(QUICK),--out benchmarks/results/tmp,)
 
 bench-token-efficiency: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/token_efficiency.py $(QUICK)
