@@ -65,18 +65,23 @@ def _trainer_classes():
         """Greedy accuracy on a fixed set of held-out problems every `every` steps (and before training): a reward
         curve free of the prompt-difficulty noise of the training batches."""
 
-        def __init__(self, trainer, every: int, n: int):
-            self.trainer, self.every, self.n = trainer, every, n
+        def __init__(self, trainer, every: int, n: int, sampled: bool):
+            self.trainer, self.every, self.n, self.sampled = trainer, every, n, sampled
+
+        def measure(self, step):
+            acc = {"heldout_acc": self.trainer.heldout_accuracy(self.n)}
+            if self.sampled:  # at the training temperature (1.0), on twice as many problems (noisier per problem)
+                acc["heldout_sampled_acc"] = self.trainer.heldout_accuracy(2 * self.n, do_sample=True)
+            tokens = self.trainer._cost_aware_totals["policy_tokens"]
+            self.trainer.heldout_curve.append((step, tokens, *acc.values()))
+            return acc
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.trainer.heldout_curve.append((0, 0.0, self.trainer.heldout_accuracy(self.n)))
+            self.measure(0)
 
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % self.every == 0:
-                acc = self.trainer.heldout_accuracy(self.n)
-                self.trainer._heldout = acc
-                tokens = self.trainer._cost_aware_totals["policy_tokens"]
-                self.trainer.heldout_curve.append((state.global_step, tokens, acc))
+                self.trainer._heldout = self.measure(state.global_step)
 
     from trl_costaware import CostAwareGRPOTrainer
     from trl_costaware.batching import select_rows, trim_to_longest
@@ -84,27 +89,29 @@ def _trainer_classes():
     class TimedTrainer(CostAwareGRPOTrainer):
         """Times the sampler (`_draw_kept_rows`, `_process_new_buffer`), generation and the policy update."""
 
-        def __init__(self, *a, heldout_every: int = 0, heldout_n: int = 512, **k):
+        def __init__(self, *a, heldout_every: int = 0, heldout_n: int = 512, heldout_sampled: bool = False, **k):
             self.bench_timers = {"draw": [], "process_buffer": [], "prepare_inputs": [], "training_step": []}
             super().__init__(*a, **k)
             self._heldout = None
             self.heldout_curve = []  # (step, policy tokens, greedy accuracy)
             if heldout_every:
-                self.add_callback(HeldOutCallback(self, heldout_every, heldout_n))
+                self.add_callback(HeldOutCallback(self, heldout_every, heldout_n, heldout_sampled))
 
-        def heldout_accuracy(self, n: int) -> float:
+        def heldout_accuracy(self, n: int, do_sample: bool = False) -> float:
             from trl_costaware.embedded import evaluate_accuracy
 
             was_training = self.model.training
             self.model.eval()
             try:
-                return evaluate_accuracy(self.model, n=n, seed=HELDOUT_SEED, tokenizer=self.processing_class)
+                return evaluate_accuracy(
+                    self.model, n=n, seed=HELDOUT_SEED, tokenizer=self.processing_class, do_sample=do_sample
+                )
             finally:
                 self.model.train(was_training)
 
         def log(self, logs, start_time=None):
             if self._heldout is not None and "loss" in logs:
-                logs["heldout_acc"] = self._heldout
+                logs.update(self._heldout)
                 self._heldout = None
             super().log(logs, start_time)
 
@@ -189,6 +196,7 @@ def train_one(spec: dict) -> dict:
         train_dataset=dataset,
         heldout_every=spec.get("heldout_every", 0),
         heldout_n=spec.get("heldout_n", 512),
+        heldout_sampled=spec.get("heldout_sampled", False),
     )
     t0 = time.perf_counter()
     trainer.train()

@@ -80,6 +80,7 @@ def build_specs(args) -> list[dict]:
                         eval_n=args.eval_n,
                         heldout_every=args.heldout_every,
                         heldout_n=512,
+                        heldout_sampled=args.heldout_sampled,
                         group=f"token_efficiency-{group}",
                     )
                 )
@@ -107,6 +108,10 @@ def paired_step_difference(base_dir: str, arm_dir: str, steps: int, metric: str 
     return sum(a[s] - b[s] for s in common_steps) / len(common_steps)
 
 
+def has_metric(run_dir_: str, metric: str) -> bool:
+    return bool(step_rewards(run_dir_, metric))
+
+
 def analyse(root: str, steps: int, tag: str, metric: str = "reward", smooth: float = SMOOTH) -> dict:
     from trl_costaware.compare import compare_runs, format_report, load_runs, plot
 
@@ -117,7 +122,7 @@ def analyse(root: str, steps: int, tag: str, metric: str = "reward", smooth: flo
         label, seed = name.rsplit("__s", 1)
         d = os.path.join(root, name)
         res = common.load_result(d)
-        if label in ARMS and res is not None and res["spec"]["steps"] == steps:
+        if label in ARMS and res is not None and res["spec"]["steps"] == steps and has_metric(d, metric):
             runs_by_label.setdefault(label, {})[int(seed)] = d
     out = {"steps": steps, "metric": metric, "smoothing": smooth, "groups": {}}
     for group, base in BASELINES.items():
@@ -309,11 +314,15 @@ def main(argv=None):
     p.add_argument(
         "--heldout-every", type=int, default=5, help="held-out greedy accuracy every N steps (512 problems)"
     )
+    p.add_argument(
+        "--heldout-sampled", action="store_true", help="also sampled (T=1) held-out accuracy, 1024 problems"
+    )
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", default=None, help="run folder (default outputs/bench/token_efficiency[_quick])")
+    p.add_argument("--tag", default=None, help="results file name suffix (default quick / full)")
     p.add_argument("--analyze-only", action="store_true", help="only read the runs already in --out")
     args = p.parse_args(argv)
-    tag = "quick" if args.quick else "full"
+    tag = args.tag or ("quick" if args.quick else "full")
     args.steps = args.steps or (30 if args.quick else 80)
     args.seeds = args.seeds or (2 if args.quick else 5)
     args.out = args.out or os.path.join(common.ROOT, "outputs", "bench", f"token_efficiency_{tag}")
@@ -329,11 +338,13 @@ def main(argv=None):
         "reward": analyse(args.out, args.steps, tag, "reward", SMOOTH),
         "heldout_acc": analyse(args.out, args.steps, tag, "heldout_acc", HELDOUT_SMOOTH),
     }
+    if args.heldout_sampled:
+        res["heldout_sampled_acc"] = analyse(args.out, args.steps, tag, "heldout_sampled_acc", HELDOUT_SMOOTH)
     base = os.path.join(common.RESULTS, f"token_efficiency_{tag}")
     with open(base + ".json", "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1, default=str)
     write_csv(res["reward"], base + ".csv")
-    md = f"`{res['command']}`\n\n" + summary_markdown(res["reward"]) + "\n" + summary_markdown(res["heldout_acc"])
+    md = f"`{res['command']}`\n\n" + "\n".join(summary_markdown(v) for k, v in res.items() if k != "command")
     with open(base + ".md", "w", encoding="utf-8") as fh:
         fh.write(md)
     print(md)
