@@ -20,7 +20,10 @@ NATALIA = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
     "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72"
 )
-WENG = "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\nWorking 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"
+WENG = (
+    "Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\n"
+    "Working 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10"
+)
 BIG = "The house costs 80000+50000 = $<<80000+50000=130000>>130,000 in total.\n#### 130000"
 NEGATIVE = "The temperature dropped 5 - 12 = <<5-12=-7>>-7 degrees.\n#### -7"
 DECIMAL = "Each costs 7/2 = $<<7/2=3.5>>3.5.\n#### 3.5"
