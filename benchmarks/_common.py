@@ -285,7 +285,8 @@ def fmt_spread(s: dict, fmt: str = "{:.1f}") -> str:
         return "n/a"
     if s["n"] == 1:
         return fmt.format(s["mean"])
-    return f"{fmt.format(s['mean'])} ± {fmt.format(s['std'])} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
+    sd = fmt.replace("+", "").format(s["std"])
+    return f"{fmt.format(s['mean'])} ± {sd} [{fmt.format(s['min'])}, {fmt.format(s['max'])}]"
 
 
 if __name__ == "__main__":

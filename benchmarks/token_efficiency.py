@@ -51,6 +51,7 @@ ARMS = {
     "cost_aware-Lcispo": ("cost_aware", {"loss_type": "cispo"}, "loss", "cispo"),
 }
 BASELINES = {"dapo": "grpo", "grpo": "grpo-Lgrpo", "cispo": "grpo-Lcispo"}
+MAIN_PLOT_ARMS = ("grpo", "cost_aware", "grpo_zvfilter", "ca_uniform")
 QUICK_EXTRA = ("ca_uniform", "grpo_zvfilter")  # one seed each in --quick
 
 
@@ -144,6 +145,21 @@ def analyse(root: str, steps: int, tag: str, metric: str = "reward", smooth: flo
             g["reports"][xname] = format_report(result)
             if xname == "policy":
                 g["baseline_peak"] = result.baseline_peak
+                main_labels = [lab for lab in labels if lab in MAIN_PLOT_ARMS]
+                if len(labels) > len(main_labels) > 1:  # a readable figure with the main arms only
+                    main_dirs = [runs_by_label[lab][s] for lab in main_labels for s in sorted(runs_by_label[lab])]
+                    plot(
+                        compare_runs(
+                            load_runs(main_dirs, progress=False),
+                            metric=metric,
+                            x=xkey,
+                            smoothing=smooth,
+                            labels=[f"{lab}__s*={lab}" for lab in main_labels],
+                            baseline=base,
+                        ),
+                        os.path.join(common.RESULTS, f"token_efficiency_{tag}_{group}_{metric}_main.png"),
+                        title=f"{metric} vs policy-optimisation tokens ({group} loss, {steps} steps, MA {smooth:g})",
+                    )
                 plot(
                     result,
                     os.path.join(common.RESULTS, f"token_efficiency_{tag}_{group}_{metric}.png"),
@@ -279,6 +295,38 @@ def summary_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
+def compact_table(res: dict) -> str:
+    """One line per arm: token ratio, paired equal-step differences (reward, held-out accuracy), targets reached,
+    final held-out accuracy."""
+    lines = [
+        "| loss | arm | seeds | kept rows | policy tokens / GRPO | Δ reward at equal steps (2nd half) | "
+        "Δ held-out acc at equal steps (2nd half) | seeds reaching GRPO peak / 99% (reward; held-out) | "
+        "final greedy acc | final sampled acc |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rew, held = res["reward"]["groups"], res.get("heldout_acc", {}).get("groups", {})
+    for group, g in rew.items():
+        base_tokens = g["arms"][g["baseline"]]["policy_tokens_total"]["mean"]
+        for lab, a in g["arms"].items():
+            h = held.get(group, {}).get("arms", {}).get(lab)
+            n = len(a["per_seed"])
+            if lab == g["baseline"]:
+                d_r = d_h = reach = "—"
+            else:
+                d_r = common.fmt_spread(a["paired_reward_diff_2nd_half"], "{:+.3f}")
+                d_h = common.fmt_spread(h["paired_reward_diff_2nd_half"], "{:+.3f}") if h else "n/a"
+                reach = f"{a['paired_reached']['1']}/{n}, {a['paired_reached']['0.99']}/{n}"
+                if h:
+                    reach += f"; {h['paired_reached']['1']}/{n}, {h['paired_reached']['0.99']}/{n}"
+            lines.append(
+                f"| {group} | {lab} | {n} | {a['kept_row_fraction']['mean']:.2f} | "
+                f"{a['policy_tokens_total']['mean'] / base_tokens:.3f} | {d_r} | {d_h} | {reach} | "
+                f"{common.fmt_spread(a['eval_greedy_acc'], '{:.3f}')} | "
+                f"{common.fmt_spread(a['eval_sampled_acc'], '{:.3f}')} |"
+            )
+    return "\n".join(lines)
+
+
 def write_csv(res: dict, path: str) -> None:
     keys = ["group", "arm", "seed", "dir"] + [f"saving_{x}_{f}" for x in X_KEYS for f in ("1", "0.99")]
     with open(path, "w", newline="", encoding="utf-8") as fh:
@@ -344,7 +392,8 @@ def main(argv=None):
     with open(base + ".json", "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1, default=str)
     write_csv(res["reward"], base + ".csv")
-    md = f"`{res['command']}`\n\n" + "\n".join(summary_markdown(v) for k, v in res.items() if k != "command")
+    md = f"`{res['command']}`\n\n### Summary (paired against the GRPO run of the same seed)\n\n" + compact_table(res)
+    md += "\n\n" + "\n".join(summary_markdown(v) for k, v in res.items() if k != "command")
     with open(base + ".md", "w", encoding="utf-8") as fh:
         fh.write(md)
     print(md)
