@@ -283,6 +283,8 @@ def test_feature_runs(tmp_path, model_path, dataset, overrides):
     assert 0 < ess <= m + 1e-6  # ESS ≤ number of weights
     for key in ("j_ratio_ideal", "j_ratio_achieved", "kept_token_fraction", "informative_fraction"):
         assert math.isfinite(last_metric(trainer, f"cost_aware/{key}"))
+    # Rollout tokens count prompt + completion whatever the sampling cost is made of.
+    assert last_metric(trainer, "cost_aware/rollout_tokens") > last_metric(trainer, "cost_aware/generated_tokens")
     if "cost_aware_token_budget" in overrides:
         assert last_metric(trainer, "cost_aware/kept_row_fraction") < 1.0
 

@@ -211,48 +211,40 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             # token normaliser it would shrink with the kept tokens; this rescales it back to the full batch's size.
             batch["cost_aware_kl_scale"] = (full_tokens.float() / kept_tokens.clamp(min=1).float()).detach()
 
-        local = torch.tensor(
-            [
-                n,
-                m,
-                float(in_sample.sum()),
-                float((g > 0).sum()),
-                float((g > 0).sum() == 0),
-                j_ratio_ideal(g, costs),
-                min(j_ratio_achieved(g, costs, p), 1e6),
-                float(costs.sum()),
-                float(costs[draw.indices].sum()),
-                float(batch["completion_mask"].sum()),
-                float(n - len(torch.unique(draw.indices))),
-            ],
-            dtype=torch.float64,
-            device=device,
-        )
-        gathered = self.accelerator.gather(local.unsqueeze(0)).double().cpu()
-        total = gathered.sum(0)
-        mean = gathered.mean(0)
-        rows, kept_rows, unique_rows = total[0].item(), total[1].item(), total[2].item()
+        lengths = row_lengths(batch).float().cpu()
+        stats_local = {
+            "rows": n,
+            "draws": m,
+            "kept": float(in_sample.sum()),  # rows in the sample (inclusion mask)
+            "dropped": float(n - len(torch.unique(draw.indices))),  # rows never drawn, counted separately
+            "informative": float((g > 0).sum()),
+            "zero_signal_ranks": float((g > 0).sum() == 0),
+            "j_ideal": j_ratio_ideal(g, costs),
+            "j_achieved": min(j_ratio_achieved(g, costs, p), 1e6),
+            "rollout_tokens": float(lengths.sum()),
+            "kept_rollout_tokens": float(lengths[draw.indices].sum()),
+            "generated_tokens": float(batch["completion_mask"].sum()),
+        }
+        total = self._sum_over_ranks(stats_local, device)
+        ranks = self.accelerator.num_processes
+        rows, kept = total["rows"], total["kept"]
         metrics = self._metrics["train"]
-        metrics["cost_aware/kept_row_fraction"].append(kept_rows / rows)
-        metrics["cost_aware/kept_unique_row_fraction"].append(unique_rows / rows)
-        metrics["cost_aware/kept_token_fraction"].append(total[8].item() / max(total[7].item(), 1.0))
-        metrics["cost_aware/informative_fraction"].append(total[3].item() / rows)
-        metrics["cost_aware/zero_signal_ranks"].append(total[4].item())
-        metrics["cost_aware/j_ratio_ideal"].append(mean[5].item())
-        metrics["cost_aware/j_ratio_achieved"].append(mean[6].item())
+        metrics["cost_aware/kept_row_fraction"].append(total["draws"] / rows)
+        metrics["cost_aware/kept_unique_row_fraction"].append(kept / rows)
+        metrics["cost_aware/kept_token_fraction"].append(total["kept_rollout_tokens"] / total["rollout_tokens"])
+        metrics["cost_aware/informative_fraction"].append(total["informative"] / rows)
+        metrics["cost_aware/zero_signal_ranks"].append(total["zero_signal_ranks"])
+        metrics["cost_aware/j_ratio_ideal"].append(total["j_ideal"] / ranks)
+        metrics["cost_aware/j_ratio_achieved"].append(total["j_achieved"] / ranks)
         # Per generation batch; the cumulative `cost_aware/rows_generated` and `rows_kept` are added in `log`.
         metrics["cost_aware/batch_rows_generated"].append(rows)
-        metrics["cost_aware/batch_rows_kept"].append(unique_rows)
-        metrics["cost_aware/batch_rows_dropped"].append(rows - unique_rows)
+        metrics["cost_aware/batch_rows_kept"].append(kept)
+        metrics["cost_aware/batch_rows_dropped"].append(total["dropped"])
         # generated = kept + dropped, the two counted independently (inclusion mask vs. distinct drawn indices).
-        metrics["cost_aware/count_check"].append(rows - unique_rows - total[10].item())
+        metrics["cost_aware/count_check"].append(rows - kept - total["dropped"])
         for key, value in stats.as_dict(prefix="cost_aware/weight_").items():
             metrics[key].append(value)
-        totals = self._cost_aware_totals
-        totals["rows_generated"] += rows
-        totals["rows_kept"] += unique_rows
-        totals["rollout_tokens"] += total[7].item()
-        totals["generated_tokens"] += total[9].item()
+        self._add_totals(rows, kept, total["rollout_tokens"], total["generated_tokens"])
         return draw.indices, factors
 
     @staticmethod
@@ -260,20 +252,30 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         mask = batch["completion_mask"]
         return mask * batch["tool_mask"] if "tool_mask" in batch else mask
 
+    def _sum_over_ranks(self, values: dict[str, float], device) -> dict[str, float]:
+        """One gather of named scalars; returns their sums over ranks (identical on every rank)."""
+        local = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+        total = self.accelerator.gather(local.unsqueeze(0)).double().sum(0).cpu().tolist()
+        return dict(zip(values, total, strict=True))
+
+    def _add_totals(self, rows: float, kept: float, rollout_tokens: float, generated_tokens: float):
+        totals = self._cost_aware_totals
+        totals["rows_generated"] += rows
+        totals["rows_kept"] += kept
+        totals["rollout_tokens"] += rollout_tokens
+        totals["generated_tokens"] += generated_tokens
+
     def _record_generation(self, batch):
         """Counters for a generation batch that is trained on in full (cost_aware=False)."""
-        device = batch["completion_mask"].device
-        local = torch.tensor(
-            [len(batch["completion_mask"]), float(row_lengths(batch).sum()), float(batch["completion_mask"].sum())],
-            dtype=torch.float64,
-            device=device,
+        total = self._sum_over_ranks(
+            {
+                "rows": len(batch["completion_mask"]),
+                "rollout_tokens": float(row_lengths(batch).sum()),
+                "generated_tokens": float(batch["completion_mask"].sum()),
+            },
+            batch["completion_mask"].device,
         )
-        total = self.accelerator.gather(local.unsqueeze(0)).double().sum(0).cpu()
-        totals = self._cost_aware_totals
-        totals["rows_generated"] += total[0].item()
-        totals["rows_kept"] += total[0].item()
-        totals["rollout_tokens"] += total[1].item()
-        totals["generated_tokens"] += total[2].item()
+        self._add_totals(total["rows"], total["rows"], total["rollout_tokens"], total["generated_tokens"])
         self._metrics["train"]["cost_aware/kept_row_fraction"].append(1.0)
         self._metrics["train"]["cost_aware/kept_token_fraction"].append(1.0)
 
@@ -301,13 +303,17 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         # The buffer list is TRL's: map TRL's chunk objects to ours instead of re-deriving TRL's step indexing.
         self._processed_chunks = {id(orig): new for orig, new in zip(self._buffered_inputs, chunks, strict=True)}
         self._processed_buffer = self._buffered_inputs
-        device = chunks[0]["completion_mask"].device
-        real = sum(float(row_lengths(c).sum()) for c in chunks)
-        padded = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in chunks)
-        local = torch.tensor([real, padded], dtype=torch.float64, device=device) * self.num_iterations
-        total = self.accelerator.gather(local.unsqueeze(0)).double().sum(0).cpu()
-        self._cost_aware_totals["policy_tokens"] += total[0].item()
-        self._cost_aware_totals["policy_tokens_padded"] += total[1].item()
+        passes = self.num_iterations  # each micro-batch is trained on once per iteration
+        total = self._sum_over_ranks(
+            {
+                "policy_tokens": passes * sum(float(row_lengths(c).sum()) for c in chunks),
+                "policy_tokens_padded": passes
+                * sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in chunks),
+            },
+            chunks[0]["completion_mask"].device,
+        )
+        for key, value in total.items():
+            self._cost_aware_totals[key] += value
 
     def _compute_loss(self, model, inputs):
         scale = inputs.get("cost_aware_kl_scale")
