@@ -142,11 +142,10 @@ def test_training_script_on_embedded_recipe(monkeypatch, tmp_path, warm_model):
     runpy.run_path(str(EXAMPLES / "train_cost_aware_grpo.py"), run_name="__main__")
 
     assert (out / "config.json").exists() and (out / "model.safetensors").exists()
-    metrics = out / "cost_aware_metrics.jsonl"
-    if metrics.exists():  # written by trl_costaware.tracking's recorder
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-        assert any("eval_reward" in row for row in rows)
-        assert any("reward" in row and row.get("step") == 2 for row in rows)
+    metrics = out / "cost_aware_metrics.jsonl"  # written by the trainer's tracking callback
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert any("eval_reward" in row for row in rows)
+    assert any("reward" in row and row.get("step") == 2 for row in rows)
 
 
 def test_training_script_on_a_named_dataset_with_lora(tmp_path, warm_model):

@@ -250,10 +250,6 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
     """The `CostAwareGRPOTrainer` for parsed arguments (loads the model, tokenizer and datasets)."""
     from .trainer import CostAwareGRPOTrainer
 
-    tracking = _tracking()
-    if tracking is not None:
-        tracking.validate_report_to(training_args)  # a missing wandb fails before the model is loaded
-
     embedded_model = model_args.model_name_or_path is None
     if embedded_model:
         from .embedded.warmup import warmed_up_model_path
@@ -302,11 +298,7 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
         quantization_config=get_quantization_config(model_args),
         peft_config=get_peft_config(model_args),
     )
-    if tracking is not None and not any(
-        isinstance(cb, tracking.MetricsRecorderCallback) for cb in trainer.callback_handler.callbacks
-    ):
-        tracking.attach_tracking(trainer)  # local metrics record; W&B group and token x-axis
-    return trainer
+    return trainer  # the trainer attaches the tracking callbacks itself (local record, W&B group and x-axis)
 
 
 def _check_reference_column(reward_funcs, dataset) -> None:
@@ -320,15 +312,6 @@ def _check_reference_column(reward_funcs, dataset) -> None:
             f"{needs} read the reference answer from an 'answer' or 'solution' column; the dataset has "
             f"{sorted(columns)}: set --answer_column"
         )
-
-
-def _tracking():
-    """`trl_costaware.tracking` (local metrics record, W&B group), or None where it is not available."""
-    try:
-        from . import tracking
-    except ImportError:
-        return None
-    return tracking
 
 
 def train(script_args: CostAwareScriptArguments, training_args: CostAwareGRPOConfig, model_args: ModelConfig):
