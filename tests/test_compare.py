@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 import pytest
@@ -22,7 +21,6 @@ from trl_costaware.compare import (
     format_report,
     load_runs,
     main,
-    read_wandb_offline,
     run_curve,
     smooth,
 )
@@ -221,17 +219,7 @@ def test_minimize_and_keys():
     assert canonical_key("_runtime") == "wall_time" and canonical_key("train/global_step") == "step"
 
 
-def read_finished_wandb_run(folder, timeout=30.0):
-    """wandb-core finishes writing the .wandb log asynchronously after `finish()`: wait for its exit record."""
-    deadline = time.time() + timeout
-    while True:
-        history = read_wandb_offline(folder)
-        if history.info["finished"] or time.time() > deadline:
-            return history
-        time.sleep(0.05)
-
-
-def test_wandb_offline_folder(tmp_path, monkeypatch, capsys):
+def test_wandb_offline_folder(tmp_path, monkeypatch, capsys, finished_wandb_run):
     """A W&B offline run (written by wandb itself) is read back and compared like a local one."""
     wandb = pytest.importorskip("wandb")
     for key, value in {
@@ -252,7 +240,7 @@ def test_wandb_offline_folder(tmp_path, monkeypatch, capsys):
         run.finish()
     folders = sorted(str(p) for p in (tmp_path / "wandb").glob("offline-run-*"))
     assert len(folders) == 2
-    histories = [read_finished_wandb_run(f) for f in folders]
+    histories = [finished_wandb_run(f) for f in folders]
     history = histories[0]
     assert history.info["group"] == "g" and history.info["seed"] == 3
     assert [r["reward"] for r in history.rows if "reward" in r][:1] in ([0.1], [0.2])

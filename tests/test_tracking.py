@@ -5,14 +5,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 import types
 
 import pytest
 from transformers import TrainerState
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware.compare import read_wandb_offline
 from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
 from trl_costaware.embedded.model import tiny_model_path
 from trl_costaware.tracking import (
@@ -151,18 +149,8 @@ def test_run_sidecar(wandb_run):
 
 
 # ---------------------------------------------------------------------------------------------------- W&B run
-def read_finished_wandb_run(folder, timeout=30.0):
-    """wandb-core finishes writing the .wandb log asynchronously after `finish()`: wait for its exit record."""
-    deadline = time.time() + timeout
-    while True:
-        history = read_wandb_offline(folder)
-        if history.info["finished"] or time.time() > deadline:
-            return history
-        time.sleep(0.05)
-
-
-def test_wandb_offline_run_holds_metrics(wandb_run):
-    run = read_finished_wandb_run(wandb_run.run_dir)
+def test_wandb_offline_run_holds_metrics(wandb_run, finished_wandb_run):
+    run = finished_wandb_run(wandb_run.run_dir)
     assert run.info["wandb"]["group"] == GROUP  # the W&B run's own group, not the config field
     assert run.info["wandb"]["job_type"] == "cost_aware" and run.info["arm"] == "cost_aware"
     assert run.info["config"]["cost_aware"] is True
@@ -177,8 +165,8 @@ def test_wandb_offline_run_holds_metrics(wandb_run):
     assert [r["reward"] for r in train] == pytest.approx([r["reward"] for r in local])
 
 
-def test_wandb_offline_run_holds_token_axis(wandb_run):
-    metrics = read_finished_wandb_run(wandb_run.run_dir).info["wandb_metrics"]
+def test_wandb_offline_run_holds_token_axis(wandb_run, finished_wandb_run):
+    metrics = finished_wandb_run(wandb_run.run_dir).info["wandb_metrics"]
     by_glob = {m["glob_name"]: m["step_metric"] for m in metrics if m["glob_name"]}
     by_name = {m["name"]: m["step_metric"] for m in metrics if m["name"]}
     assert WANDB_TOKEN_AXIS == "train/cost_aware/policy_tokens"

@@ -807,12 +807,9 @@ def format_report(result: Result) -> str:
         "",
     ]
     x_word = "tokens" if "token" in xk else xk
-    head = ["arm", "runs", "final", "Δ final", "peak"]
-    for t in fr:
-        head += [f"{x_word} to {_target_name(t.fraction)}", "saving"]
-    for t in fr:
-        head += [f"wall to {_target_name(t.fraction)}"]
-    head += [f"{x_word} total", "wall total"]
+    target_columns = [c for t in fr for c in (f"{x_word} to {_target_name(t.fraction)}", "saving")]
+    target_columns += [f"wall to {_target_name(t.fraction)}" for t in fr] + [f"{x_word} total", "wall total"]
+    head = ["arm", "runs", "final", "Δ final", "peak", *target_columns]
     rows = []
     for a in result.arms:
         r = [a["arm"], str(a["runs"]), fmt_num(a["final"]), f"{a['final_vs_baseline']:+.3g}", fmt_num(a["peak"])]
@@ -823,12 +820,7 @@ def format_report(result: Result) -> str:
         r += [fmt_x(a["x_total"], xk), fmt_seconds(a["wall_total"])]
         rows.append(r)
     lines += ["Arms (seeds averaged on a common grid):", "", _markdown(head, rows), ""]
-    head = ["run", "arm", "seed", "final", "peak"]
-    for t in fr:
-        head += [f"{x_word} to {_target_name(t.fraction)}", "saving"]
-    for t in fr:
-        head += [f"wall to {_target_name(t.fraction)}"]
-    head += [f"{x_word} total", "wall total"]
+    head = ["run", "arm", "seed", "final", "peak", *target_columns]
     rows = []
     for run in result.runs:
         r = [run["name"], run["arm"], str(run["seed"]), fmt_num(run["final"]), fmt_num(run["peak"])]
