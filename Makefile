@@ -33,7 +33,7 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install $(TORCH_SPEC)
-	$(BIN)/python -m pip install -e '.[dev,deepspeed]'
+	$(BIN)/python -m pip install -e '.[dev,deepspeed,math]'
 	touch $@
 
 test: $(STAMP)

@@ -4,18 +4,20 @@ Every function takes ``completions`` (strings, or lists of messages for conversa
 columns as keyword arguments, and returns one float per completion, or ``None`` for a row it cannot score (TRL then
 skips that reward for the row).
 
-- `gsm8k_accuracy_reward`: numeric answers. The reference is the number after ``####`` (GSM8K's ``answer`` column);
-  the model's answer is its ``#### n``, else its last ``\boxed{}``, else its ``<answer>`` tag, else the last number in
-  the completion. Commas, ``$``, ``%``, units and trailing periods are ignored; ``3.50`` equals ``3.5``.
-- `math_accuracy_reward`: MATH-style answers. The reference is the last ``\boxed{}`` of a worked solution (MATH's
-  ``solution`` column), the part after ``####``, or the whole string (a bare final answer such as ``\frac{1}{3}``).
-  The model must mark its answer (``\boxed{}``, ``<answer>...</answer>``, ``#### ...`` or "the answer is ...").
-  Answers are compared after LaTeX normalisation (``\dfrac``/``\tfrac``/``a/b`` as ``\frac``, ``\left``/``\right``,
-  spacing commands, ``^\circ``, ``\%``, ``\$``, ``\text{}`` units, ``x =`` prefixes, ``\frac12``), then as exact
-  rationals, then element-wise for tuples and intervals. If the optional ``math_verify`` package is importable, it
-  is asked as well when the normaliser finds no match.
-- `think_answer_format_reward` (``<think>...</think><answer>...</answer>``) and `boxed_format_reward` (a complete
-  ``\boxed{...}``).
+What is ours and what is not:
+
+- `math_accuracy_reward`: MATH-style answers. Equivalence is decided by Hugging Face's ``math-verify`` (what TRL's
+  own ``accuracy_reward`` uses: LaTeX parsed to SymPy, ``\frac``/``\dfrac``/``a/b``, ``\boxed{}``, units,
+  percent, intervals, sets, tuples, equations). It needs the ``math`` extra: ``pip install 'trl-costaware[math]'``.
+  This module only adapts the inputs: plain-string completions, the reference in an ``answer`` or ``solution``
+  column, GSM8K-style ``#### n`` references and completions, ``<answer>...</answer>`` tags, and bare final answers
+  (``\frac13``, ``\text{(C)}``) as references.
+- `gsm8k_accuracy_reward`: numeric answers, no extra needed. The reference is the number after ``####`` (GSM8K's
+  ``answer`` column); the model's answer is its ``#### n``, else its last ``\boxed{}``, else its ``<answer>`` tag,
+  else the last number in the completion. Commas, ``$``, ``%``, units and trailing periods are ignored; ``3.50``
+  equals ``3.5``. Neither TRL nor math-verify has the GSM8K ``####`` convention or the "last number" rule.
+- `think_answer_format_reward` (``<think>...</think><answer>...</answer>``; TRL's ``think_format_reward`` checks
+  only the ``<think>`` part) and `boxed_format_reward` (a complete ``\boxed{...}``).
 
 The accuracy functions read the reference from the ``answer`` column, or from ``solution`` when there is no
 ``answer`` column (TRL's convention, e.g. ``trl-lib/DeepMath-103K``).
@@ -24,27 +26,21 @@ The accuracy functions read the reference from the ``answer`` column, or from ``
 from __future__ import annotations
 
 import re
+import threading
 from fractions import Fraction
-
-try:  # optional, used only when already installed
-    from math_verify import parse as _mv_parse
-    from math_verify import verify as _mv_verify
-except Exception:  # noqa: BLE001  # pragma: no cover - optional, and broken installs must not break us
-    _mv_parse = _mv_verify = None
 
 __all__ = [
     "boxed_format_reward",
     "completion_text",
     "extract_boxed",
     "extract_gsm8k_answer",
-    "extract_math_answer",
     "gsm8k_accuracy_reward",
-    "is_equiv",
     "math_accuracy_reward",
-    "normalize_math_answer",
     "parse_number",
     "think_answer_format_reward",
 ]
+
+MATH_EXTRA_HINT = "pip install 'trl-costaware[math]'"
 
 
 # ---------------------------------------------------------------------------------------------------- completions
@@ -81,8 +77,10 @@ def _references(answer, solution, n: int) -> list:
     return list(refs)
 
 
-# ---------------------------------------------------------------------------------------------------- extraction
+# ---------------------------------------------------------------------------------------------------- answer markers
 _BOXED_RE = re.compile(r"\\(?:boxed|fbox)\s*")
+_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_HASH_RE = re.compile(r"####\s*([^\n]*)")
 
 
 def extract_boxed(text: str) -> str | None:
@@ -95,25 +93,15 @@ def extract_boxed(text: str) -> str | None:
         if start < len(text) and text[start] == "{":
             depth = 0
             for i in range(start, len(text)):
-                if text[i] == "{":
-                    depth += 1
-                elif text[i] == "}":
-                    depth -= 1
-                    if depth == 0:
-                        return text[start + 1 : i].strip()
+                depth += text[i] == "{"
+                depth -= text[i] == "}"
+                if depth == 0:
+                    return text[start + 1 : i].strip()
             continue  # unbalanced: try an earlier box
         token = re.match(r"[^\s$]+", text[start:])
         if token and match.group(0).endswith(" "):
             return token.group(0).rstrip(".")
     return None
-
-
-_TAG_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_HASH_RE = re.compile(r"####\s*([^\n]*)")
-_ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*[:\s]*(.+?)(?:\.\s*$|\.\s+|\n|$)", re.IGNORECASE)
-
-# 1,234,567.89 (groups of three), 1234.5, .5; an optional sign.
-_NUMBER_RE = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
 
 
 def _last_tag(text: str) -> str | None:
@@ -126,50 +114,39 @@ def _last_hash(text: str) -> str | None:
     return found[-1].strip() if found else None
 
 
-def extract_math_answer(text: str) -> str | None:
-    r"""The answer a completion marks: inside ``<answer>`` (its ``\boxed{}`` if any), else the last ``\boxed{}``, else
-    after ``####``, else after "the answer is" / "final answer:". None when the answer is not marked."""
-    tagged = _last_tag(text)
-    if tagged is not None:
-        return extract_boxed(tagged) or tagged
-    for found in (extract_boxed(text), _last_hash(text)):
-        if found:
-            return found
-    matches = _ANSWER_IS_RE.findall(text)
-    if matches:
-        inner = matches[-1].strip()
-        return inner.strip("$ ").rstrip(".") or None
+# ---------------------------------------------------------------------------------------------------- GSM8K
+# 1,234,567.89 (groups of three), 1234.5, .5; an optional sign.
+_NUMBER_RE = re.compile(r"(?<![\d.])-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)")
+_DECIMAL_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")
+_FRACTION_RE = re.compile(r"(-?)(?:\\[dt]?frac\{(\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}|(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?))")
+
+
+def parse_number(text) -> Fraction | None:
+    r"""An exact rational for a GSM8K-style numeric answer string, else None.
+
+    Accepts ``1,234``, ``$3.50``, ``-0.5``, ``.5``, ``50\%`` (as 50), ``3/4``, ``\frac{3}{4}``, ``18.``,
+    ``12 dollars``. Not accepted (None): expressions such as ``2\sqrt{3}`` or ``\pi``, and ``1,2`` (not a thousands
+    grouping). General LaTeX answers are math-verify's job (`math_accuracy_reward`).
+    """
+    if text is None:
+        return None
+    s = re.sub(r"\\[!,;: ]", "", str(text))  # LaTeX spacing, e.g. 10,\!000
+    s = re.sub(r"\\?[$%]", "", s).strip()
+    s = re.sub(r"(?<=[\d}])\s*\\?(?:text\{)?\s*[a-zA-Z][a-zA-Z ]*\.?\}?$", "", s)  # a unit word: "12 dollars"
+    s = s.strip().rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")
+    try:
+        if _DECIMAL_RE.fullmatch(s):
+            return Fraction(s)
+        match = _FRACTION_RE.fullmatch(s)
+        if match:
+            sign, num, den = match.group(1), match.group(2) or match.group(4), match.group(3) or match.group(5)
+            value = Fraction(num) / Fraction(den)
+            return -value if sign else value
+    except ZeroDivisionError:
+        return None
     return None
-
-
-def extract_reference(reference) -> str | None:
-    r"""The final answer of a reference: after ``####`` (GSM8K), else its last ``\boxed{}`` (MATH), else the whole
-    string. None for an empty reference."""
-    if reference is None:
-        return None
-    text = str(reference).strip()
-    if not text:
-        return None
-    return _last_hash(text) or extract_boxed(text) or text
-
-
-def extract_gsm8k_answer(text: str) -> str | None:
-    r"""A completion's numeric answer: after its last ``####``, else in its last ``\boxed{}``, else in its
-    ``<answer>`` tag, else its last number. Returned as a plain number string (``"-1234.5"``) or None."""
-    for candidate in (_last_hash(text), extract_boxed(text), _last_tag(text)):
-        if candidate:
-            value = _number_in(candidate)
-            if value is not None:
-                return value
-    return _last_number(text)
-
-
-def _number_in(text: str) -> str | None:
-    """The number a short answer string stands for: the whole string when it parses, else its last number."""
-    value = parse_number(text)
-    if value is not None:
-        return _format_fraction(value)
-    return _last_number(text)
 
 
 def _last_number(text: str) -> str | None:
@@ -181,205 +158,42 @@ def _format_fraction(value: Fraction) -> str:
     return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
 
 
-# ---------------------------------------------------------------------------------------------------- normalisation
-def _unwrap_command(text: str, command: str, keep: bool) -> str:
-    r"""Replace every ``\command{...}`` (balanced braces) with its content (`keep`) or with nothing."""
-    pattern = re.compile(r"\\" + command + r"\s*\{")
-    while True:
-        match = pattern.search(text)
-        if not match:
-            return text
-        depth, end = 0, None
-        for i in range(match.end() - 1, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    end = i
-                    break
-        if end is None:  # unbalanced: drop the command name only
-            return text[: match.start()] + text[match.end() - 1 :]
-        inner = text[match.end() : end] if keep else ""
-        text = text[: match.start()] + inner + text[end + 1 :]
+def extract_gsm8k_answer(text: str) -> str | None:
+    r"""A completion's numeric answer: after its last ``####``, else in its last ``\boxed{}``, else in its
+    ``<answer>`` tag, else its last number. Returned as a plain number string (``"-1234.5"``) or None."""
+    for candidate in (_last_hash(text), extract_boxed(text), _last_tag(text)):
+        if candidate:
+            value = parse_number(candidate)
+            if value is not None:
+                return _format_fraction(value)
+            number = _last_number(candidate)
+            if number is not None:
+                return number
+    return _last_number(text)
 
 
-def _fix_fracs(text: str) -> str:
-    r"""``\frac12`` -> ``\frac{1}{2}``, ``\frac1{2}`` -> ``\frac{1}{2}``, ``\frac{1}2`` -> ``\frac{1}{2}``."""
-    parts = text.split("\\frac")
-    out = parts[0]
-    for part in parts[1:]:
-        out += "\\frac"
-        args = []
-        rest = part
-        for _ in range(2):
-            if rest.startswith("{"):
-                depth = 0
-                for i, ch in enumerate(rest):
-                    depth += ch == "{"
-                    depth -= ch == "}"
-                    if depth == 0:
-                        args.append(rest[: i + 1])
-                        rest = rest[i + 1 :]
-                        break
-                else:
-                    break
-            elif rest:
-                args.append("{" + rest[0] + "}")
-                rest = rest[1:]
-        out += "".join(args) + rest
-    return out
+def _gsm8k_reference(reference) -> Fraction | None:
+    """The reference number: after ``####``, else in the last ``\\boxed{}``, else the whole string (plain text: its
+    last number). None when there is none."""
+    text = "" if reference is None else str(reference).strip()
+    ref = _last_hash(text) or extract_boxed(text) or text
+    gold = parse_number(ref)
+    if gold is None and ref and "\\" not in ref:  # plain text ("72 clips"); LaTeX must parse whole
+        gold = parse_number(_last_number(ref))
+    return gold
 
 
-_SPACING = ("\\!", "\\,", "\\;", "\\:", "\\ ", "~", "\\quad", "\\qquad")
-_UNIT_WORDS = re.compile(
-    r"(?<=[\d}])\s*(?:units?|degrees?|cm|centimeters?|meters?|m|km|inches?|in|feet|ft|miles?|mph|hours?|minutes?|"
-    r"seconds?|days?|weeks?|years?|dollars?|cents?|pounds?|kg|grams?|g|square|sq)\b.*$"
-)
-
-
-def normalize_math_answer(text: str) -> str:
-    r"""A canonical string for a LaTeX answer (Hendrycks-style normalisation, extended). Used for string equality."""
-    s = str(text).strip()
-    s = s.replace("\n", " ").replace("\\displaystyle", "").replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-    s = s.replace("\\left", "").replace("\\right", "").replace("\\bigl", "").replace("\\bigr", "")
-    for sp in _SPACING:
-        s = s.replace(sp, " " if sp in ("\\ ", "~", "\\quad", "\\qquad") else "")
-    s = s.replace("^{\\circ}", "").replace("^\\circ", "").replace("°", "").replace("\\circ", "")
-    s = s.replace("\\%", "").replace("%", "").replace("\\$", "").replace("$", "")
-    s = re.sub(r"\\(?:mathrm|mathbf|textbf|mathit|operatorname)\s*\{", r"\\text{", s)
-    # \text{...}: the whole answer -> its content; next to other content -> a unit or a word, dropped.
-    stripped = s.strip()
-    if re.fullmatch(r"\\(?:text|mbox)\s*\{.*\}", stripped) and _unwrap_command(stripped, "text", keep=False) == "":
-        s = _unwrap_command(_unwrap_command(stripped, "mbox", keep=True), "text", keep=True)
-    else:
-        s = _unwrap_command(_unwrap_command(s, "mbox", keep=False), "text", keep=False)
-    s = _UNIT_WORDS.sub("", s.strip())
-    s = s.replace("\\{", "{").replace("\\}", "}")
-    # "x = 5", "k=5": a short variable name on the left of a single "=".
-    if s.count("=") == 1:
-        lhs, rhs = s.split("=")
-        if re.fullmatch(r"\s*[a-zA-Z](?:_\{?\w+\}?)?\s*", lhs) or re.fullmatch(r"\s*\\[a-zA-Z]+\s*", lhs):
-            s = rhs
-    s = re.sub(r"\\sqrt\s*(\w)", r"\\sqrt{\1}", s)
-    s = s.replace(" ", "")
-    s = _fix_fracs(s)
-    s = s.rstrip(".").strip()
-    # 10,000 -> 10000 when the commas are thousands separators of a single number.
-    if re.fullmatch(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
-        s = s.replace(",", "")
-    # Plain a/b between integers -> \frac{a}{b}; .5 -> 0.5
-    s = re.sub(r"^(-?)(\d+)/(\d+)$", r"\1\\frac{\2}{\3}", s)
-    s = re.sub(r"(^|[^\d])\.(\d)", r"\g<1>0.\2", s)
-    if s.startswith("{") and s.endswith("}") and _balanced(s[1:-1]):
-        s = s[1:-1]
-    return s
-
-
-def _balanced(s: str) -> bool:
-    depth = 0
-    for ch in s:
-        depth += ch == "{"
-        depth -= ch == "}"
-        if depth < 0:
-            return False
-    return depth == 0
-
-
-_FRAC_RE = re.compile(r"^(-?)\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}$")
-
-
-def parse_number(text) -> Fraction | None:
-    r"""An exact rational for a numeric answer string, else None.
-
-    Accepts ``1,234``, ``$3.50``, ``-0.5``, ``.5``, ``50\%``, ``3/4``, ``\frac{3}{4}``, ``-\dfrac34``, ``18.``,
-    ``12 dollars``. Not accepted (None): expressions such as ``2\sqrt{3}`` or ``\pi``.
-    """
-    if text is None:
-        return None
-    s = normalize_math_answer(str(text))
-    try:
-        if re.fullmatch(r"-?(?:\d+(?:\.\d*)?|\.\d+)", s):
-            return Fraction(s)
-        match = _FRAC_RE.match(s)
-        if match:
-            value = Fraction(match.group(2)) / Fraction(match.group(3))
-            return -value if match.group(1) else value
-    except (ValueError, ZeroDivisionError):
-        return None
-    return None
-
-
-_OPEN_CLOSE = {"(": ")", "[": "]", "{": "}"}
-
-
-def _split_top_level(s: str) -> tuple[str, list[str], str] | None:
-    """``(a,b]`` -> (``(``, [``a``, ``b``], ``]``); a bare ``a,b`` list -> ("", [...], ""). None if not a list."""
-    opener, closer = "", ""
-    body = s
-    if len(s) >= 2 and s[0] in "([{" and s[-1] in ")]}":
-        opener, closer, body = s[0], s[-1], s[1:-1]
-    items, depth, current = [], 0, ""
-    for ch in body:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += ch
-    items.append(current)
-    if len(items) < 2:
-        return None
-    return opener, items, closer
-
-
-def is_equiv(prediction, reference) -> bool:
-    """Whether two final answers are equal: normalised strings, exact rationals, or element-wise for tuples."""
-    if prediction is None or reference is None:
-        return False
-    a, b = normalize_math_answer(prediction), normalize_math_answer(reference)
-    if not a or not b:
-        return False
-    if a == b:
-        return True
-    x, y = parse_number(a), parse_number(b)
-    if x is not None and y is not None:
-        return x == y
-    la, lb = _split_top_level(a), _split_top_level(b)
-    if la and lb and la[0] == lb[0] and la[2] == lb[2] and len(la[1]) == len(lb[1]):
-        return all(is_equiv(p, r) for p, r in zip(la[1], lb[1], strict=True))
-    return False
-
-
-def _math_verify_equiv(prediction: str, reference: str) -> bool:
-    if _mv_verify is None:
-        return False
-    try:
-        gold = _mv_parse(f"${reference}$")
-        pred = _mv_parse(f"${prediction}$")
-        return bool(gold and pred and _mv_verify(gold, pred))
-    except Exception:  # noqa: BLE001 - math_verify raises on odd input or timeouts: treat as "not shown equal"
-        return False
-
-
-# ---------------------------------------------------------------------------------------------------- rewards
 def gsm8k_accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
     r"""1.0 when the completion's numeric answer equals the reference number, else 0.0; None when the reference has
     no number.
 
     Reference: GSM8K's ``"...\n#### 1,234"`` (or any string whose final answer is a number). Completion: its
-    ``#### n``, ``\boxed{n}``, ``<answer>n</answer>``, else its last number.
+    ``#### n``, ``\boxed{n}``, ``<answer>n</answer>``, else its last number. Numbers compare as exact rationals.
     """
     refs = _references(answer, solution, len(completions))
     rewards, parsed = [], []
     for completion, ref in zip(completions, refs, strict=True):
-        ref_text = extract_reference(ref)
-        gold = parse_number(ref_text)
-        if gold is None and ref_text and "\\" not in ref_text:  # plain text ("72 clips"); LaTeX must parse whole
-            gold = parse_number(_last_number(ref_text))
+        gold = _gsm8k_reference(ref)
         if gold is None:
             rewards.append(None)
             parsed.append("[no reference]")
@@ -388,33 +202,91 @@ def gsm8k_accuracy_reward(completions, answer=None, solution=None, **kwargs) -> 
         value = parse_number(pred)
         rewards.append(1.0 if value is not None and value == gold else 0.0)
         parsed.append(pred or "[none]")
-    _log(kwargs, "gsm8k_parsed", parsed)
+    log_extra = kwargs.get("log_extra")
+    if callable(log_extra):
+        log_extra("gsm8k_parsed", parsed)
     return rewards
 
 
-def math_accuracy_reward(completions, answer=None, solution=None, **kwargs) -> list[float | None]:
-    r"""1.0 when the completion's marked final answer equals the reference's, else 0.0; None for an empty reference.
+# ---------------------------------------------------------------------------------------------------- MATH
+def _require_math_verify() -> None:
+    try:
+        import math_verify  # noqa: F401
+    except ImportError as err:
+        raise ImportError(
+            f"math_accuracy_reward checks answers with the `math-verify` package, which is not installed: "
+            f"{MATH_EXTRA_HINT}"
+        ) from err
 
-    Reference: a worked solution with ``\boxed{}`` (MATH), ``"... #### n"`` (GSM8K), or a bare final answer.
-    Completion: ``<answer>...</answer>``, the last ``\boxed{}``, ``#### ...`` or "the answer is ..."; an unmarked
-    answer scores 0.
+
+def _math_reference(reference) -> str:
+    r"""The reference as math-verify reads it: GSM8K's ``#### n`` -> ``$n$``; a text with LaTeX delimiters or a
+    ``\boxed{}`` (a MATH worked solution) as is; a bare final answer (``\frac13``) inside ``$...$``. An empty
+    reference gives "" (math-verify finds nothing: the row's reward is None)."""
+    text = "" if reference is None else str(reference).strip()
+    if not text:
+        return ""
+    hashed = _last_hash(text)
+    if hashed:
+        return f"${hashed}$"
+    if _BOXED_RE.search(text) or re.search(r"(?<!\\)\$|\\\(|\\\[", text):
+        return text
+    return f"${text}$"
+
+
+def _marked_answer(text: str) -> str:
+    r"""A completion with its ``<answer>...</answer>`` (else, when it has no ``\boxed{}``, its ``#### ...``) answer
+    as a ``\boxed{}``, which math-verify reads first; any other completion unchanged."""
+    answer = _last_tag(text)
+    if answer is None and extract_boxed(text) is None:
+        answer = _last_hash(text)
+    if answer is None:
+        return text
+    return answer if _BOXED_RE.search(answer) else f"\\boxed{{{answer}}}"
+
+
+def math_accuracy_reward(completions, answer=None, solution=None, log_extra=None, **kwargs) -> list[float | None]:
+    r"""1.0 when the completion's final answer is mathematically equal to the reference's (math-verify), else 0.0;
+    None when math-verify finds no answer in the reference.
+
+    Reference: a worked solution with ``\boxed{}`` (MATH), ``"... #### n"`` (GSM8K), or a bare LaTeX final answer.
+    Completion: its marked answer only: ``<answer>...</answer>``, ``\boxed{}`` (first; several boxes are read as
+    one set of answers), ``#### ...``, or an answer after "final answer is" / "the answer is". An unmarked answer
+    scores 0.
+
+    This calls math-verify with its default LaTeX normalisation rather than TRL's ``accuracy_reward``, whose
+    normalisation leaves out math-verify's malformed-operator fixes, so that ``\boxed{\frac12}`` and
+    ``\boxed{3\sqrt2}`` would score 0 there. Raises ImportError naming the ``math`` extra when ``math-verify`` is
+    not installed. Logs ``gold_parsed`` and ``answer_parsed`` to TRL's completions table, as TRL does.
     """
+    _require_math_verify()
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+
+    # math-verify times out with signal.alarm, which only the main thread may set.
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    marked = [LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)]
+    marked.append(ExprExtractionConfig(try_extract_without_anchor=False))
     refs = _references(answer, solution, len(completions))
-    rewards, parsed = [], []
+    rewards, gold_parsed, answer_parsed = [], [], []
     for completion, ref in zip(completions, refs, strict=True):
-        gold = extract_reference(ref)
-        if gold is None:
+        gold = parse(_math_reference(ref), parsing_timeout=timeout)
+        if not gold:
             rewards.append(None)
-            parsed.append("[no reference]")
+            gold_parsed.append("[unparseable]")
+            answer_parsed.append("[skipped]")
             continue
-        pred = extract_math_answer(completion_text(completion))
-        ok = pred is not None and (is_equiv(pred, gold) or _math_verify_equiv(pred, gold))
-        rewards.append(1.0 if ok else 0.0)
-        parsed.append(pred if pred is not None else "[none]")
-    _log(kwargs, "math_parsed", parsed)
+        text = _marked_answer(completion_text(completion))
+        pred = parse(text, extraction_config=marked, extraction_mode="first_match", parsing_timeout=timeout)
+        rewards.append(1.0 if pred and verify(gold, pred, timeout_seconds=timeout) else 0.0)
+        gold_parsed.append(str(gold[-1]))
+        answer_parsed.append(str(pred[-1]) if pred else "[none]")
+    if callable(log_extra):
+        log_extra("gold_parsed", gold_parsed)
+        log_extra("answer_parsed", answer_parsed)
     return rewards
 
 
+# ---------------------------------------------------------------------------------------------------- format
 _THINK_ANSWER_RE = re.compile(
     r"^\s*<think>(?:(?!</?think>).)*</think>\s*<answer>(?:(?!</?answer>).)*\S(?:(?!</?answer>).)*</answer>\s*$",
     re.DOTALL,
@@ -429,9 +301,3 @@ def think_answer_format_reward(completions, **kwargs) -> list[float]:
 def boxed_format_reward(completions, **kwargs) -> list[float]:
     r"""1.0 when a completion contains a complete, non-empty ``\boxed{...}``, else 0.0."""
     return [1.0 if extract_boxed(completion_text(c)) else 0.0 for c in completions]
-
-
-def _log(kwargs: dict, name: str, values: list) -> None:
-    log_extra = kwargs.get("log_extra")
-    if callable(log_extra):
-        log_extra(name, values)
