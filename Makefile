@@ -23,7 +23,7 @@ TEST_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_
 	TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 WANDB_MODE ?= offline
 
-.PHONY: install test test-all demo lint format clean
+.PHONY: install test test-all test-gpu demo lint format clean
 
 install: $(STAMP)
 
@@ -41,6 +41,14 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(TEST_ENV) $(BIN)/python -m pytest -n $(JOBS) --dist loadgroup $(PYTEST_ARGS) tests
+
+# On a GPU machine: the bf16 runs and the CUDA Monte Carlo check of tests/test_gpu.py (skipped without CUDA). PyPI's
+# default torch wheel for Linux x86-64 is a CUDA build, so `make test-gpu` sets it up where PyPI is reachable; with a
+# CUDA torch (and this package) already installed in some environment: `make test-gpu GPU_PYTHON=/path/to/python`.
+GPU_PYTHON ?=
+test-gpu:
+	$(if $(GPU_PYTHON),,$(MAKE) install)
+	$(TEST_ENV) $(or $(GPU_PYTHON),$(BIN)/python) -m pytest -p no:xdist -m gpu -rs $(PYTEST_ARGS) tests/test_gpu.py
 
 demo: $(STAMP)
 	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.demo

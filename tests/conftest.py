@@ -74,3 +74,7 @@ def finished_wandb_run():
             time.sleep(0.05)
 
     return read
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (`make test-gpu`)")

@@ -107,8 +107,10 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         with self._deferred_scoring_logps() as deferred:
             batch = super()._generate_and_score_completions(inputs)
         kept, factors = self._draw_kept_rows(batch)
-        batch = select_rows(batch, kept)
-        batch["advantages"] = batch["advantages"] * factors.to(batch["advantages"].dtype)
+        advantages = batch["advantages"]
+        # The sampler works on the host: its indices and factors move to the batch's device (and dtype) here.
+        batch = select_rows(batch, kept.to(advantages.device))
+        batch["advantages"] = batch["advantages"] * factors.to(device=advantages.device, dtype=advantages.dtype)
         batch = trim_to_longest(batch)
         self._compute_deferred_logps(batch, deferred)
         return batch
@@ -171,12 +173,27 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             return costs.to(batch["completion_mask"].device)
         return sequence_costs(batch["prompt_mask"], batch["completion_mask"], self.args.cost_aware_cost)
 
+    def _host_row_stats(self, batch) -> dict[str, torch.Tensor]:
+        """Per-row scalars the sampler needs, copied to the host in ONE device→host transfer per generation batch
+        (the only synchronisation of the sampler's host work; the cross-rank gathers below are collectives)."""
+        loss_mask = self._loss_mask(batch)
+        columns = {
+            "advantages": batch["advantages"].detach().float(),
+            "costs": self._row_costs(batch).float(),
+            "lengths": row_lengths(batch).float(),
+            "loss_tokens": loss_mask.sum(-1).float(),
+            "completion_tokens": batch["completion_mask"].sum(-1).float(),
+        }
+        host = torch.stack(list(columns.values()), dim=1).cpu()
+        return dict(zip(columns, host.unbind(1), strict=True))
+
     def _draw_kept_rows(self, batch):
-        """Draw the kept rows of this rank's generation batch; return their indices and advantage factors."""
+        """Draw the kept rows of this rank's generation batch; return their indices and advantage factors, both on
+        the host (the caller moves them to the batch's device)."""
         args = self.args
         device = batch["advantages"].device
-        advantages = batch["advantages"].detach().float().cpu()
-        costs = self._row_costs(batch).cpu()
+        rows = self._host_row_stats(batch)
+        advantages, costs = rows["advantages"], rows["costs"]
         n = len(advantages)
         spg = args.steps_per_generation
         p = sampling_distribution(sampling_scores(advantages, costs, args.cost_aware_proxy), args.cost_aware_smoothing)
@@ -189,7 +206,9 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         draw = draw_rows(p, m, args.cost_aware_draw, self._sampler_generator)
 
         # Weight normalisation over the kept rows of all ranks (every rank keeps m rows, so the gather is even).
-        all_weights = self.accelerator.gather(draw.weights.float().to(device)).cpu()
+        all_weights = draw.weights.float()
+        if self.accelerator.num_processes > 1:
+            all_weights = self.accelerator.gather(all_weights.to(device)).cpu()
         weights, stats = normalize_weights(
             all_weights, args.cost_aware_weight_normalization, args.cost_aware_weight_floor, args.cost_aware_weight_cap
         )
@@ -199,19 +218,18 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             factors = factors * (n / m)
 
         g = gradient_proxy(advantages)
-        loss_mask = self._loss_mask(batch)
-        full_tokens = loss_mask.sum()
-        kept_tokens = loss_mask[draw.indices.to(device)].sum()
+        full_tokens = rows["loss_tokens"].sum()
+        kept_tokens = rows["loss_tokens"][draw.indices].sum()
         in_sample = torch.zeros(n, dtype=torch.bool)
         in_sample[draw.indices] = True
         if self.loss_type in MICRO_TOKEN_MEAN_LOSSES:
-            batch["cost_aware_full_tokens"] = full_tokens.float().detach()
+            batch["cost_aware_full_tokens"] = full_tokens.to(device)
         if self.beta != 0.0 and self.loss_type in TOKEN_SUM_LOSSES:
             # The KL term is not importance-weighted (only the advantage carries the weight), so under a full-batch
             # token normaliser it would shrink with the kept tokens; this rescales it back to the full batch's size.
-            batch["cost_aware_kl_scale"] = (full_tokens.float() / kept_tokens.clamp(min=1).float()).detach()
+            batch["cost_aware_kl_scale"] = (full_tokens / kept_tokens.clamp(min=1)).to(device)
 
-        lengths = row_lengths(batch).float().cpu()
+        lengths = rows["lengths"]
         stats_local = {
             "rows": n,
             "draws": m,
@@ -223,7 +241,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             "j_achieved": min(j_ratio_achieved(g, costs, p), 1e6),
             "rollout_tokens": float(lengths.sum()),
             "kept_rollout_tokens": float(lengths[draw.indices].sum()),
-            "generated_tokens": float(batch["completion_mask"].sum()),
+            "generated_tokens": float(rows["completion_tokens"].sum()),
         }
         total = self._sum_over_ranks(stats_local, device)
         ranks = self.accelerator.num_processes
@@ -253,7 +271,10 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         return mask * batch["tool_mask"] if "tool_mask" in batch else mask
 
     def _sum_over_ranks(self, values: dict[str, float], device) -> dict[str, float]:
-        """One gather of named scalars; returns their sums over ranks (identical on every rank)."""
+        """One gather of named scalars; returns their sums over ranks (identical on every rank). Single process: the
+        values themselves (no device round trip)."""
+        if self.accelerator.num_processes == 1:
+            return {k: float(v) for k, v in values.items()}
         local = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
         total = self.accelerator.gather(local.unsqueeze(0)).double().sum(0).cpu().tolist()
         return dict(zip(values, total, strict=True))
