@@ -1,0 +1,108 @@
+"""Loss-aware gradient-norm proxy: pure torch, no trainer in sight (docs/budget_and_proxy.md §1).
+
+Row i of a GRPO generation batch enters TRL's policy loss (on-policy, ratio 1, β = 0) as
+
+    ℓ_i = −A_i · Σ_t m_it log π(y_it) / Z_i ,      ∇ℓ_i = −A_i · (Σ_t m_it ∇log π(y_it)) / Z_i
+
+with m_it the loss mask (completion tokens, minus tool tokens) and Z_i the loss type's normaliser:
+
+    row-mean types   (grpo, sapo):                     Z_i = L_i · const   (mean over the row's own tokens)
+    token-sum types  (dapo, cispo, vespo, bnpo,
+                      dr_grpo, luspo):                 Z_i = const         (a batch-wide token count, B·L_max, ...)
+
+where L_i = Σ_t m_it. The constants are shared by every row of the batch, so they cancel in a sampling
+distribution. The norm of the token sum lies between √L_i (token gradients in unrelated directions) and L_i
+(aligned); we model it as L_i^γ, or, when the sampling policy's per-token log-probabilities are known (vLLM gives
+them), as the ℓ_{1/γ} norm of the per-token weights u_it = 1 − π(y_it) (the size of ∇_logits log π(y_it) is at
+least 1 − π(y_it); confident tokens carry little gradient). The proxy is
+
+    G_i = |A_i| · h_i,     h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i ,     u_it = 1 without log-probabilities,
+
+so without log-probabilities h_i = L_i^γ (token-sum types) or L_i^(γ−1) (row-mean types). γ = 1/2 is the
+default, chosen from the measurement in BENCHMARKS.md §2 (proxy fidelity). Rows with A_i = 0 or no loss
+tokens get G_i = 0: they carry no policy gradient. Nothing here returns NaN or infinity for finite-or-NaN input.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Loss types whose policy term is a mean over the row's own tokens (Z_i ∝ L_i).
+ROW_MEAN_LOSSES = ("grpo", "sapo")
+# Loss types whose policy term is a sum over the row's tokens divided by a constant shared by the batch.
+TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo", "bnpo", "dr_grpo", "luspo")
+LOSS_TYPES = ROW_MEAN_LOSSES + TOKEN_SUM_LOSSES
+
+# Length exponent γ of the token-sum norm: ‖Σ_t ∇log π(y_t)‖ ≈ L^γ. See BENCHMARKS.md §2 for the measurement.
+DEFAULT_GAMMA = 0.5
+MAX_GAMMA = 2.0
+
+
+def _clean(x: torch.Tensor) -> torch.Tensor:
+    x = x if x.dtype == torch.float64 else x.float()
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def length_exponent(loss_type: str, gamma: float = DEFAULT_GAMMA) -> float:
+    """Exponent e of L_i in h_i = L_i^e (no log-probabilities): γ for token-sum types, γ − 1 for row-mean types."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    return gamma - 1.0 if loss_type in ROW_MEAN_LOSSES else gamma
+
+
+def token_weights(token_logps: torch.Tensor) -> torch.Tensor:
+    """u_it = 1 − π(y_it) = 1 − exp(log π(y_it)), in [0, 1]; NaN log-probabilities count as u = 1 (no knowledge)."""
+    logps = token_logps.double()
+    u = 1.0 - logps.clamp(max=0.0).exp()
+    return torch.where(torch.isnan(logps), torch.ones_like(u), u).clamp(0.0, 1.0)
+
+
+def row_factor(
+    token_mask: torch.Tensor,
+    loss_type: str,
+    gamma: float = DEFAULT_GAMMA,
+    token_logps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss type's per-row factor h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i (module docstring), shape (N,), float64.
+
+    Args:
+        token_mask: (N, T) loss mask m_it (1 for a token in the policy loss).
+        loss_type: a TRL `loss_type`; decides whether Z_i = L_i (row-mean) or a constant (token-sum).
+        gamma: length exponent γ in (0, 2]: 1/2 for token gradients in unrelated directions, 1 for aligned ones;
+            above 1 when longer rows also have larger per-token gradients (length and difficulty go together).
+        token_logps: optional (N, T) log-probabilities of the sampled tokens under the sampling policy; when given,
+            each token counts with weight u_it = 1 − π(y_it) instead of 1.
+    """
+    if not 0.0 < gamma <= MAX_GAMMA:
+        raise ValueError(f"gamma must lie in (0, {MAX_GAMMA}], got {gamma}")
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    mask = _clean(token_mask).double().clamp(min=0.0)
+    if token_logps is not None:
+        if token_logps.shape != token_mask.shape:
+            raise ValueError(f"token_logps shape {tuple(token_logps.shape)} != token_mask shape {tuple(mask.shape)}")
+        u = token_weights(token_logps.to(mask.device))
+    else:
+        u = torch.ones_like(mask)
+    norm = (mask * u.pow(1.0 / gamma)).sum(-1).pow(gamma)
+    if loss_type in ROW_MEAN_LOSSES:
+        length = mask.sum(-1)
+        norm = torch.where(length > 0, norm / length.clamp(min=1e-12), torch.zeros_like(norm))
+    return norm
+
+
+def loss_aware_proxy(
+    advantages: torch.Tensor,
+    token_mask: torch.Tensor,
+    loss_type: str,
+    gamma: float = DEFAULT_GAMMA,
+    token_logps: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Gradient-norm proxy G_i = |A_i| · h_i with h_i = `row_factor(...)` (module docstring). Shape (N,), float64.
+
+    NaN advantages (unscorable rows) give G_i = 0, as does a row with no loss tokens.
+    """
+    adv = _clean(advantages).double().abs()
+    if adv.shape != token_mask.shape[:1]:
+        raise ValueError(f"advantages shape {tuple(adv.shape)} must be (N,) with N = token_mask.shape[0]")
+    return adv * row_factor(token_mask, loss_type, gamma, token_logps).to(adv.device)
