@@ -9,6 +9,7 @@ import pytest
 import torch
 from fake_device import FAKE, FakeAccelerator, is_marked, mark
 from trl import GRPOTrainer
+from trl.trainer.utils import split_tensor_dict
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
@@ -104,8 +105,8 @@ def test_post_processing_keeps_the_batch_on_its_device(tmp_path, tiny_model_path
     )
     batch, misplaced, transfers = _post_process(trainer, dataset, monkeypatch, 8)
     assert not misplaced, f"moved off the batch's device: {misplaced}"
-    # One device→host copy of the sampler's inputs per generation batch (a token budget adds the gathered m).
-    assert transfers["sampler"] == 1 + ("cost_aware_token_budget" in overrides), transfers
+    # One device→host copy of the sampler's inputs per generation batch (single process: no gather of m either).
+    assert transfers["sampler"] == 1, transfers
     assert len(batch["advantages"]) < 8  # rows were dropped
 
 
@@ -126,4 +127,11 @@ def test_deferred_log_prob_passes_on_device(tmp_path, tiny_model_path, dataset, 
             mark(t)
     batch, misplaced, _ = _post_process(trainer, dataset, monkeypatch, 16)
     assert not misplaced, f"moved off the batch's device: {misplaced}"
-    assert batch["old_per_token_logps"] is not None and batch["ref_per_token_logps"] is not None
+    # The deferred passes run per micro-batch, when the trainer processes TRL's freshly split buffer.
+    with FakeAccelerator():
+        trainer._buffered_inputs = split_tensor_dict(batch, 2)
+        trainer._process_new_buffer()
+        chunks = list(trainer._processed_chunks.values())
+        misplaced = [k for c in chunks for k, v in c.items() if isinstance(v, torch.Tensor) and v.device != FAKE]
+    assert not misplaced, f"moved off the batch's device: {misplaced}"
+    assert all(c["old_per_token_logps"] is not None and c["ref_per_token_logps"] is not None for c in chunks)

@@ -30,14 +30,22 @@ def select_rows(batch: dict, indices: torch.Tensor) -> dict:
     return out
 
 
-def trim_to_longest(batch: dict) -> dict:
+def _round_up(width: int, multiple_of: int | None, limit: int) -> int:
+    if not multiple_of:
+        return width
+    return min(limit, -(-width // multiple_of) * multiple_of)
+
+
+def trim_to_longest(batch: dict, multiple_of: int | None = None) -> dict:
     """Drop padding columns that no row of this batch uses: leading prompt columns (left padding) and trailing
-    completion columns (right padding), in every tensor that spans them. The width becomes the longest row's."""
+    completion columns (right padding), in every tensor that spans them. The width becomes the longest row's, rounded
+    up to a multiple of `multiple_of` (TRL's `pad_to_multiple_of`) when set, never beyond the current width."""
     prompt_mask, completion_mask = batch["prompt_mask"], batch["completion_mask"]
     p_width, c_width = prompt_mask.shape[1], completion_mask.shape[1]
     p_keep = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
     used = completion_mask.bool().any(0).nonzero()
     c_keep = int(used.max()) + 1 if len(used) else 1  # keep one column so every tensor stays 2-D and non-empty
+    p_keep, c_keep = _round_up(p_keep, multiple_of, p_width), _round_up(c_keep, multiple_of, c_width)
     if p_keep == p_width and c_keep == c_width:
         return batch
     out = {}

@@ -166,6 +166,14 @@ class CostAwareGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if self.cost_aware and self.top_entropy_quantile < 1.0:
+            # TRL takes the entropy threshold over the tokens of the current micro-batch, so a kept row's loss depends
+            # on which other rows were drawn: no per-row weight makes that unbiased for the full batch's loss.
+            raise ValueError(
+                f"top_entropy_quantile={self.top_entropy_quantile} is not supported with cost_aware=True: TRL's "
+                "entropy threshold is a quantile over the micro-batch's tokens, which sampling changes, so the "
+                "cost-aware loss would be biased. Use top_entropy_quantile=1.0 or cost_aware=False."
+            )
         if not 0.0 < self.cost_aware_kept_fraction <= 1.0:
             raise ValueError(f"cost_aware_kept_fraction must be in (0, 1], got {self.cost_aware_kept_fraction}")
         if self.cost_aware_token_budget is not None and self.cost_aware_token_budget <= 0:

@@ -85,11 +85,35 @@ def sampling_scores(advantages: torch.Tensor, costs: torch.Tensor, proxy: str = 
     return costs.reciprocal()
 
 
-def sampling_distribution(scores: torch.Tensor, alpha: float = 0.0) -> torch.Tensor:
-    """Smoothed sampling distribution p = (1 − α) q + α u, with q_i = s_i / Σ_j s_j and u_i = 1/N.
+def eligible_rows(
+    advantages: torch.Tensor, loss_tokens: torch.Tensor, zero_advantage_carries_gradient: bool
+) -> torch.Tensor:
+    """Rows that can carry gradient, the support S of the sampling distribution:
 
-    Degenerate inputs: NaN, infinite or negative scores count as 0; if every score is 0 (e.g. all advantages
-    are zero), q is uniform. The result is a float64 probability vector: p_i ≥ 0, Σ p_i = 1.
+        i ∈ S  ⇔  T_i > 0  ∧  (A_i ≠ 0  ∨  zero_advantage_carries_gradient)
+
+    with T_i the tokens the loss sees (completion mask × tool mask, after TRL's `mask_truncated_completions`). A row
+    with T_i = 0 adds nothing to any loss term. A row with A_i = 0 (or NaN) adds nothing to the policy term; it still
+    carries gradient when the loss has a term that is not proportional to A (KL with β ≠ 0, an entropy bonus, a router
+    aux loss): the caller says so. Returns a bool tensor of shape (N,).
+    """
+    has_tokens = _clean(loss_tokens) > 0
+    if zero_advantage_carries_gradient:
+        return has_tokens
+    return has_tokens & (gradient_proxy(advantages) > 0)
+
+
+def sampling_distribution(
+    scores: torch.Tensor, alpha: float = 0.0, support: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Smoothed sampling distribution over a support S (all rows when `support` is None):
+
+        p_i = (1 − α) q_i + α u_i   for i ∈ S,   p_i = 0 outside S,
+
+    with q_i = s_i / Σ_{j∈S} s_j and u_i = 1/|S| (smoothing spreads over the rows that can carry gradient only, so no
+    probability goes to a row that adds nothing to the loss). Degenerate inputs: NaN, infinite or negative scores count
+    as 0; if every score on S is 0, q is uniform on S; if S is empty, p is uniform over all rows (nothing in the batch
+    carries gradient, any draw is as good). The result is a float64 probability vector: p_i ≥ 0, Σ p_i = 1.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must lie in [0, 1], got {alpha}")
@@ -97,25 +121,32 @@ def sampling_distribution(scores: torch.Tensor, alpha: float = 0.0) -> torch.Ten
     n = s.numel()
     if n == 0:
         raise ValueError("cannot build a sampling distribution over zero rows")
-    uniform = torch.full_like(s, 1.0 / n)
+    inside = torch.ones(n, dtype=torch.bool) if support is None else support.to(torch.bool).cpu()
+    inside = inside.to(s.device)
+    if not inside.any():
+        inside = torch.ones_like(inside)
+    s = torch.where(inside, s, torch.zeros_like(s))
+    uniform = inside.double() / int(inside.sum())
     total = s.sum()
     q = s / total if total > 0 else uniform
     p = (1.0 - alpha) * q + alpha * uniform
     return p / p.sum()
 
 
-def inclusion_probabilities(p: torch.Tensor, m: int) -> torch.Tensor:
+def inclusion_probabilities(p: torch.Tensor, m: int, filler: torch.Tensor | None = None) -> torch.Tensor:
     """First-order inclusion probabilities for a fixed-size draw of m rows without replacement.
 
     π_i = min(1, m p_i), with the mass cut off at 1 re-spread over the uncapped rows in proportion to p, repeated
     until no π_i exceeds 1, so that Σ π_i = m and 0 ≤ π_i ≤ 1. When fewer than m rows have p_i > 0, those rows get
-    π_i = 1 and the remaining mass is spread evenly over the p_i = 0 rows (they are needed to keep the row count;
-    with A_i = 0 they add nothing to the policy loss).
+    π_i = 1 and the remaining mass goes to the p_i = 0 rows (they are needed to keep the row count and add nothing to
+    the loss): in proportion to `filler` (≥ 0; e.g. 1/c to fill with the cheapest rows) while it has mass on the
+    uncapped rows, then evenly.
     """
     n = p.numel()
     if not 0 < m <= n:
         raise ValueError(f"m must satisfy 0 < m <= N={n}, got {m}")
     p = _clean(p).double().clamp(min=0.0)
+    fill = torch.zeros_like(p) if filler is None else _clean(filler).double().clamp(min=0.0).to(p.device)
     pi = torch.zeros_like(p)
     capped = torch.zeros(n, dtype=torch.bool, device=p.device)
     while True:
@@ -126,6 +157,8 @@ def inclusion_probabilities(p: torch.Tensor, m: int) -> torch.Tensor:
         mass = p[free].sum()
         if mass > 0:
             pi[free] = left * p[free] / mass
+        elif fill[free].sum() > 0:
+            pi[free] = left * fill[free] / fill[free].sum()
         else:
             pi[free] = left / int(free.sum())
         over = free & (pi >= 1.0)
@@ -159,16 +192,18 @@ def draw_multinomial(p: torch.Tensor, m: int, generator: torch.Generator | None 
     return Draw(indices=idx, weights=weights, probabilities=p)
 
 
-def draw_systematic(p: torch.Tensor, m: int, generator: torch.Generator | None = None) -> Draw:
+def draw_systematic(
+    p: torch.Tensor, m: int, generator: torch.Generator | None = None, filler: torch.Tensor | None = None
+) -> Draw:
     """Fixed-size systematic PPS draw of m distinct rows, Horvitz–Thompson weights w_i = m / (N π_i).
 
-    π = inclusion_probabilities(p, m); with one uniform u ∈ [0, 1), row i is kept when an integer-offset point
+    π = inclusion_probabilities(p, m, filler); with one uniform u ∈ [0, 1), row i is kept when an integer-offset point
     u + k (k = 0..m−1) falls in (Π_{i−1}, Π_i], Π the cumulative sum of π. Each row is kept with probability
     exactly π_i, so E[(1/m) Σ_kept w_i L_i] = (1/m) Σ_i π_i m L_i / (N π_i) = (1/N) Σ_i L_i. The row order is
     randomly permuted first so that which rows end up together does not depend on their order in the batch.
     """
     n = p.numel()
-    pi = inclusion_probabilities(p, m)
+    pi = inclusion_probabilities(p, m, filler)
     perm = torch.randperm(n, generator=generator).to(pi.device)
     u = torch.rand((), generator=generator, dtype=torch.float64).item()
     cum = torch.cumsum(pi[perm], 0)
@@ -180,10 +215,17 @@ def draw_systematic(p: torch.Tensor, m: int, generator: torch.Generator | None =
     return Draw(indices=idx, weights=weights, probabilities=pi)
 
 
-def draw_rows(p: torch.Tensor, m: int, scheme: str = "systematic", generator: torch.Generator | None = None) -> Draw:
-    """Dispatch to `draw_systematic` (without replacement) or `draw_multinomial` (with replacement)."""
+def draw_rows(
+    p: torch.Tensor,
+    m: int,
+    scheme: str = "systematic",
+    generator: torch.Generator | None = None,
+    filler: torch.Tensor | None = None,
+) -> Draw:
+    """Dispatch to `draw_systematic` (without replacement; `filler` as in `inclusion_probabilities`) or
+    `draw_multinomial` (with replacement)."""
     if scheme == "systematic":
-        return draw_systematic(p, m, generator)
+        return draw_systematic(p, m, generator, filler)
     if scheme == "multinomial":
         return draw_multinomial(p, m, generator)
     raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
@@ -317,3 +359,15 @@ def kept_rows_for_token_budget(p: torch.Tensor, costs: torch.Tensor, budget: flo
     expected = float((p.double() * _clean_costs(costs).double()).sum())
     m = int(budget // expected) if expected > 0 else n_max
     return max(1, min(m, n_max))
+
+
+def capped_kept_count(m: int, informative_max: int, multiple_of: int = 1) -> int:
+    """Never more slots than the rows that can carry gradient need:
+
+        m' = min(m, max(k, ⌊informative_max / k⌋ · k)),   k = multiple_of (steps_per_generation),
+
+    with `informative_max` the largest number of eligible rows (`eligible_rows`) on any rank, so m' is the same on
+    every rank. m' ≤ informative_max whenever informative_max ≥ k; below that every micro-step still needs one row
+    per rank and m' = k."""
+    floor = (informative_max // multiple_of) * multiple_of
+    return min(m, max(multiple_of, floor))

@@ -21,11 +21,11 @@ from trl.trainer.utils import use_adapter
 
 from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
 from .config import CostAwareGRPOConfig, resolve_cost_fn
+from .diagnostics import batch_metrics, rank_sums
 from .sampling import (
+    capped_kept_count,
     draw_rows,
-    gradient_proxy,
-    j_ratio_achieved,
-    j_ratio_ideal,
+    eligible_rows,
     kept_row_count,
     kept_rows_for_token_budget,
     normalize_weights,
@@ -85,6 +85,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         self._cost_fn = resolve_cost_fn(args.cost_aware_cost)
         seed = args.seed if args.cost_aware_seed is None else args.cost_aware_seed
         self._sampler_generator = torch.Generator().manual_seed(seed * 1_000_003 + self.accelerator.process_index)
+        self._grouping_generator = torch.Generator().manual_seed(seed * 1_000_003 + self.accelerator.process_index + 7)
+        self._deferred_passes = (False, False)
         # Global (all ranks) cumulative counters, identical on every rank; saved in checkpoints.
         self._cost_aware_totals = {
             "rollout_tokens": 0.0,  # prompt + completion tokens of every generated rollout
@@ -100,59 +102,85 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)  # evaluation is untouched
-        if not self.args.cost_aware:
+        with self._scoring_hooks() as scoring:
             batch = super()._generate_and_score_completions(inputs)
+        batch["cost_aware_generated_tokens"] = self._generated_lengths(batch, scoring["generated"])
+        if not self.args.cost_aware:
             self._record_generation(batch)
             return batch
-        with self._deferred_scoring_logps() as deferred:
-            batch = super()._generate_and_score_completions(inputs)
         kept, factors = self._draw_kept_rows(batch)
+        batch.pop("cost_aware_generated_tokens")
         advantages = batch["advantages"]
         # The sampler works on the host: its indices and factors move to the batch's device (and dtype) here.
         batch = select_rows(batch, kept.to(advantages.device))
         batch["advantages"] = batch["advantages"] * factors.to(device=advantages.device, dtype=advantages.dtype)
-        batch = trim_to_longest(batch)
-        self._compute_deferred_logps(batch, deferred)
+        # The deferred passes run per micro-batch, on the tensors the policy pass will see (_process_new_buffer).
+        self._deferred_passes = self._passes_to_run(scoring["calls"])
         return batch
 
     @contextmanager
-    def _deferred_scoring_logps(self):
-        """While TRL scores a generation batch, skip its no-grad log-prob passes (old policy, reference) and record
-        them, so they run afterwards on the kept rows only. With vLLM importance-sampling correction TRL needs the
-        old log-probs of every row at once for its ratio, so that pass runs as usual."""
-        calls = []
-        original = self._get_per_token_logps_and_entropies
-        run_first = self.use_vllm and self.vllm_importance_sampling_correction
+    def _scoring_hooks(self):
+        """While TRL scores a generation batch: record how many tokens each rollout generated (TRL's
+        `mask_truncated_completions` zeroes the mask of truncated rows, but their tokens were generated), and, with
+        cost_aware, skip its no-grad log-prob passes (old policy, reference) and record them, so they run afterwards on
+        the kept rows only. With vLLM importance-sampling correction TRL needs the old log-probs of every row at once
+        for its ratio, so that pass runs as usual."""
+        record = {"calls": [], "generated": None}
+        generate = self._generate
 
-        def record(model, *args, **kwargs):
-            if run_first and not calls:
-                calls.append("computed")
-                return original(model, *args, **kwargs)
-            calls.append("deferred")
-            return None, None, None
+        def recorded_generate(*args, **kwargs):
+            out = generate(*args, **kwargs)
+            record["generated"] = [len(ids) for ids in out[1]]  # (prompt_ids, completion_ids, ...)
+            return out
 
-        self._get_per_token_logps_and_entropies = record
+        self._generate = recorded_generate
+        if self.args.cost_aware:
+            original = self._get_per_token_logps_and_entropies
+            run_first = self.use_vllm and self.vllm_importance_sampling_correction
+            calls = record["calls"]
+
+            def deferred(model, *args, **kwargs):
+                if run_first and not calls:
+                    calls.append("computed")
+                    return original(model, *args, **kwargs)
+                calls.append("deferred")
+                return None, None, None
+
+            self._get_per_token_logps_and_entropies = deferred
         try:
-            yield calls
+            yield record
         finally:
-            del self._get_per_token_logps_and_entropies
+            del self._generate
+            vars(self).pop("_get_per_token_logps_and_entropies", None)
 
-    def _compute_deferred_logps(self, batch, calls):
-        # TRL computes the old-policy pass first (when needed), then the reference pass (when beta != 0).
-        deferred = [c for c in calls if c == "deferred"]
+    def _generated_lengths(self, batch, recorded) -> torch.Tensor:
+        """Generated completion tokens per row (on the batch's device): from `_generate` when it ran, else (a batch
+        built another way) the completion mask."""
+        mask = batch["completion_mask"]
+        if recorded is None or len(recorded) != len(mask):
+            return mask.sum(-1)
+        return torch.tensor(recorded, device=mask.device)
+
+    def _passes_to_run(self, calls) -> tuple[bool, bool]:
+        """(old policy, reference): which deferred passes TRL asked for. TRL runs the old-policy pass first (when
+        needed), then the reference pass (when beta != 0)."""
+        deferred = calls.count("deferred")
         has_ref = self.beta != 0.0
-        has_old = len(deferred) - int(has_ref) == 1
-        if not deferred:
+        return deferred - int(has_ref) == 1, has_ref and deferred > 0
+
+    def _compute_deferred_logps(self, chunk):
+        """The old-policy / reference log-probs of one micro-batch, computed on the very tensors `_compute_loss` feeds
+        the policy pass (same rows, padding, width and batch), so that at the first micro-step the ratio is exactly 1
+        in any precision."""
+        has_old, has_ref = self._deferred_passes
+        if not (has_old or has_ref):
             return
-        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-        width = batch["completion_ids"].size(1)
-        bs = self.args.per_device_train_batch_size
+        ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)
+        mask = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)
+        width = chunk["completion_ids"].size(1)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             if has_old:
-                batch["old_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                    self.model, ids, mask, width, batch_size=bs
-                )[0]
+                chunk["old_per_token_logps"] = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]
             if has_ref:
                 if self.ref_model is not None:
                     ref_model, context = self.ref_model, nullcontext()
@@ -161,8 +189,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                     ref_model = self.model
                     context = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
                 with context:
-                    batch["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                        ref_model, ids, mask, width, batch_size=bs
+                    chunk["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                        ref_model, ids, mask, width
                     )[0]
 
     def _row_costs(self, batch) -> torch.Tensor:
@@ -175,17 +203,44 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     def _host_row_stats(self, batch) -> dict[str, torch.Tensor]:
         """Per-row scalars the sampler needs, copied to the host in ONE device→host transfer per generation batch
-        (the only synchronisation of the sampler's host work; the cross-rank gathers below are collectives)."""
-        loss_mask = self._loss_mask(batch)
+        (the only synchronisation of the sampler's host work; the cross-rank gathers below are collectives).
+
+        `costs` come from the masks the loss sees (a row hidden by `mask_truncated_completions` costs its prompt
+        only, and is outside the sampling support anyway); `rollout_lengths` = prompt + generated tokens, whatever the
+        masks."""
+        generated = batch.get("cost_aware_generated_tokens", batch["completion_mask"].sum(-1))
         columns = {
             "advantages": batch["advantages"].detach().float(),
             "costs": self._row_costs(batch).float(),
-            "lengths": row_lengths(batch).float(),
-            "loss_tokens": loss_mask.sum(-1).float(),
-            "completion_tokens": batch["completion_mask"].sum(-1).float(),
+            "rollout_lengths": (batch["prompt_mask"].sum(-1) + generated).float(),
+            "loss_tokens": self._loss_mask(batch).sum(-1).float(),
+            "generated_tokens": generated.float(),
         }
         host = torch.stack(list(columns.values()), dim=1).cpu()
         return dict(zip(columns, host.unbind(1), strict=True))
+
+    @property
+    def _zero_advantage_carries_gradient(self) -> bool:
+        """Whether a row with A = 0 still adds gradient: a KL term, an entropy bonus or a router aux loss."""
+        return self.beta != 0.0 or self._entropy_bonus_enabled or bool(getattr(self, "aux_loss_enabled", False))
+
+    def _kept_count(self, p, rows, eligible, device) -> int:
+        """m for this generation batch, equal on every rank: the configured rule (fraction, or the token budget's
+        count, smallest over ranks), capped by `capped_kept_count` at what the eligible rows of the busiest rank
+        need. One gather of two integers when there are several ranks."""
+        args, n = self.args, len(p)
+        spg = args.steps_per_generation
+        if args.cost_aware_token_budget is not None:
+            m_local = kept_rows_for_token_budget(p, rows["costs"], args.cost_aware_token_budget, n)
+        else:
+            m_local = kept_row_count(n, args.cost_aware_kept_fraction, spg)
+        k_local = int(eligible.sum())
+        if self.accelerator.num_processes > 1:
+            both = self.accelerator.gather(torch.tensor([[-m_local, k_local]], device=device)).amax(0).tolist()
+            m_rule, k_max = -both[0], both[1]
+        else:
+            m_rule, k_max = m_local, k_local
+        return capped_kept_count(kept_row_count(n, m_rule / n, spg), k_max, spg)
 
     def _draw_kept_rows(self, batch):
         """Draw the kept rows of this rank's generation batch; return their indices and advantage factors, both on
@@ -195,15 +250,13 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         rows = self._host_row_stats(batch)
         advantages, costs = rows["advantages"], rows["costs"]
         n = len(advantages)
-        spg = args.steps_per_generation
-        p = sampling_distribution(sampling_scores(advantages, costs, args.cost_aware_proxy), args.cost_aware_smoothing)
-        if args.cost_aware_token_budget is not None:
-            m_local = kept_rows_for_token_budget(p, costs, args.cost_aware_token_budget, n)
-            m = int(self.accelerator.gather(torch.tensor([m_local], device=device)).min())  # ranks stay in lock-step
-            m = kept_row_count(n, m / n, spg)
-        else:
-            m = kept_row_count(n, args.cost_aware_kept_fraction, spg)
-        draw = draw_rows(p, m, args.cost_aware_draw, self._sampler_generator)
+        eligible = eligible_rows(advantages, rows["loss_tokens"], self._zero_advantage_carries_gradient)
+        scores = sampling_scores(advantages, costs, args.cost_aware_proxy)
+        p = sampling_distribution(scores, args.cost_aware_smoothing, support=eligible)
+        m = self._kept_count(p, rows, eligible, device)
+        # Slots beyond the eligible rows (a rank with fewer of them than m) go to the cheapest rows the loss sees.
+        filler = (rows["loss_tokens"] > 0).double() / costs.double().clamp(min=1.0)
+        draw = draw_rows(p, m, args.cost_aware_draw, self._sampler_generator, filler=filler)
 
         # Weight normalisation over the kept rows of all ranks (every rank keeps m rows, so the gather is even).
         all_weights = draw.weights.float()
@@ -217,11 +270,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         if self.loss_type in TOKEN_SUM_LOSSES + MICRO_TOKEN_MEAN_LOSSES:
             factors = factors * (n / m)
 
-        g = gradient_proxy(advantages)
         full_tokens = rows["loss_tokens"].sum()
         kept_tokens = rows["loss_tokens"][draw.indices].sum()
-        in_sample = torch.zeros(n, dtype=torch.bool)
-        in_sample[draw.indices] = True
         if self.loss_type in MICRO_TOKEN_MEAN_LOSSES:
             batch["cost_aware_full_tokens"] = full_tokens.to(device)
         if self.beta != 0.0 and self.loss_type in TOKEN_SUM_LOSSES:
@@ -229,40 +279,24 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             # token normaliser it would shrink with the kept tokens; this rescales it back to the full batch's size.
             batch["cost_aware_kl_scale"] = (full_tokens / kept_tokens.clamp(min=1)).to(device)
 
-        lengths = rows["lengths"]
-        stats_local = {
-            "rows": n,
-            "draws": m,
-            "kept": float(in_sample.sum()),  # rows in the sample (inclusion mask)
-            "dropped": float(n - len(torch.unique(draw.indices))),  # rows never drawn, counted separately
-            "informative": float((g > 0).sum()),
-            "zero_signal_ranks": float((g > 0).sum() == 0),
-            "j_ideal": j_ratio_ideal(g, costs),
-            "j_achieved": min(j_ratio_achieved(g, costs, p), 1e6),
-            "rollout_tokens": float(lengths.sum()),
-            "kept_rollout_tokens": float(lengths[draw.indices].sum()),
-            "generated_tokens": float(rows["completion_tokens"].sum()),
-        }
-        total = self._sum_over_ranks(stats_local, device)
-        ranks = self.accelerator.num_processes
-        rows, kept = total["rows"], total["kept"]
+        local = rank_sums(
+            advantages,
+            costs,
+            eligible,
+            p,
+            draw.indices,
+            rows["rollout_lengths"],
+            rows["generated_tokens"],
+            rows["loss_tokens"],
+            m,
+        )
+        total = self._sum_over_ranks(local, device)
         metrics = self._metrics["train"]
-        metrics["cost_aware/kept_row_fraction"].append(total["draws"] / rows)
-        metrics["cost_aware/kept_unique_row_fraction"].append(kept / rows)
-        metrics["cost_aware/kept_token_fraction"].append(total["kept_rollout_tokens"] / total["rollout_tokens"])
-        metrics["cost_aware/informative_fraction"].append(total["informative"] / rows)
-        metrics["cost_aware/zero_signal_ranks"].append(total["zero_signal_ranks"])
-        metrics["cost_aware/j_ratio_ideal"].append(total["j_ideal"] / ranks)
-        metrics["cost_aware/j_ratio_achieved"].append(total["j_achieved"] / ranks)
-        # Per generation batch; the cumulative `cost_aware/rows_generated` and `rows_kept` are added in `log`.
-        metrics["cost_aware/batch_rows_generated"].append(rows)
-        metrics["cost_aware/batch_rows_kept"].append(kept)
-        metrics["cost_aware/batch_rows_dropped"].append(total["dropped"])
-        # generated = kept + dropped, the two counted independently (inclusion mask vs. distinct drawn indices).
-        metrics["cost_aware/count_check"].append(rows - kept - total["dropped"])
+        for key, value in batch_metrics(total).items():
+            metrics[f"cost_aware/{key}"].append(value)
         for key, value in stats.as_dict(prefix="cost_aware/weight_").items():
             metrics[key].append(value)
-        self._add_totals(rows, kept, total["rollout_tokens"], total["generated_tokens"])
+        self._add_totals(total["rows"], total["kept"], total["rollout_tokens"], total["generated_tokens"])
         return draw.indices, factors
 
     @staticmethod
@@ -288,11 +322,12 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     def _record_generation(self, batch):
         """Counters for a generation batch that is trained on in full (cost_aware=False)."""
+        generated = batch.pop("cost_aware_generated_tokens")
         total = self._sum_over_ranks(
             {
                 "rows": len(batch["completion_mask"]),
-                "rollout_tokens": float(row_lengths(batch).sum()),
-                "generated_tokens": float(batch["completion_mask"].sum()),
+                "rollout_tokens": float((batch["prompt_mask"].sum(-1) + generated).sum()),
+                "generated_tokens": float(generated.sum()),
             },
             batch["completion_mask"].device,
         )
@@ -307,20 +342,30 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             return inputs
         if self._buffered_inputs is not self._processed_buffer:
             self._process_new_buffer()
-        return self._processed_chunks.get(id(inputs), inputs)
+        chunk = self._processed_chunks.get(id(inputs))
+        if chunk is None:
+            raise RuntimeError(
+                "CostAwareGRPOTrainer: the micro-batch TRL returned is not one of the buffered generation batch's "
+                "chunks, so it was never trimmed, weighted or given its deferred log-probs. This TRL version indexes "
+                "its buffer differently from the one this trainer supports."
+            )
+        return chunk
 
     def _process_new_buffer(self):
-        """Runs once per generation batch, when TRL has just split it into micro-batches."""
+        """Runs once per generation batch, when TRL has just split it into micro-batches (before any update)."""
         chunks = list(self._buffered_inputs)
         if self.args.cost_aware:
             if self.args.cost_aware_group_by_length and len(chunks) > 1:
-                chunks = regroup_by_length(chunks, self._sampler_generator)
-            chunks = [trim_to_longest(c) for c in chunks]
+                # Its own generator: grouping changes padding only, never which rows the sampler draws next.
+                chunks = regroup_by_length(chunks, self._grouping_generator)
+            chunks = [trim_to_longest(c, self.pad_to_multiple_of) for c in chunks]
             if "cost_aware_full_tokens" in chunks[0]:
                 # bnpo: replace each micro-batch's own token count by the full batch's mean micro-batch count.
                 micro_full = chunks[0]["cost_aware_full_tokens"] / len(chunks)
                 for c in chunks:
                     c["advantages"] = c["advantages"] * (self._loss_mask(c).sum() / micro_full).to(c["advantages"])
+            for c in chunks:
+                self._compute_deferred_logps(c)
         # The buffer list is TRL's: map TRL's chunk objects to ours instead of re-deriving TRL's step indexing.
         self._processed_chunks = {id(orig): new for orig, new in zip(self._buffered_inputs, chunks, strict=True)}
         self._processed_buffer = self._buffered_inputs
@@ -347,6 +392,15 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         finally:
             self.beta = beta
 
+    def _clip_grad_norm(self, model):
+        """Records, per optimizer step, whether `max_grad_norm` clipped the gradient (`cost_aware/grad_clipped`, its
+        window mean is the fraction of clipped steps), in both arms: the reweighted gradient is noisier than GRPO's."""
+        norm = super()._clip_grad_norm(model)
+        if norm is not None:
+            clipped = float(torch.as_tensor(norm).float() > self.args.max_grad_norm)
+            self._metrics["train"]["cost_aware/grad_clipped"].append(clipped)
+        return norm
+
     # ------------------------------------------------------------------ logging and checkpoints
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
@@ -358,7 +412,11 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         os.makedirs(folder, exist_ok=True)
-        state = {"generator": self._sampler_generator.get_state(), "totals": dict(self._cost_aware_totals)}
+        state = {
+            "generator": self._sampler_generator.get_state(),
+            "grouping_generator": self._grouping_generator.get_state(),
+            "totals": dict(self._cost_aware_totals),
+        }
         torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.accelerator.process_index)))
 
     def _load_rng_state(self, checkpoint):
@@ -369,4 +427,6 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         if os.path.exists(path):
             state = torch.load(path, weights_only=True)
             self._sampler_generator.set_state(state["generator"])
+            if "grouping_generator" in state:
+                self._grouping_generator.set_state(state["grouping_generator"])
             self._cost_aware_totals.update(state["totals"])
