@@ -1,4 +1,5 @@
-"""`trl-costaware compare`: real short runs (baseline and cost-aware) and synthetic histories."""
+"""`trl-costaware compare`: real short runs (baseline and cost-aware), synthetic histories, the noise rule, and the
+W&B online reader against a stand-in `wandb.Api`."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.cli import main as cli_main
 from trl_costaware.compare import (
+    NO_CLAIM,
     NOT_REACHED,
     CompareError,
     RunHistory,
@@ -21,9 +23,11 @@ from trl_costaware.compare import (
     format_report,
     load_runs,
     main,
+    plot,
     run_curve,
     smooth,
 )
+from trl_costaware.compare.noise import baseline_improvement, bootstrap_mean_interval, improvement, step_noise_sd
 from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
 from trl_costaware.embedded.model import tiny_model_path
 from trl_costaware.tracking import METRICS_FILE, RUN_FILE, MetricsRecorderCallback, attach_tracking
@@ -78,9 +82,12 @@ def test_compare_real_runs_table_and_png(real_runs, tmp_path, capsys):
     assert result["baseline"] == "baseline"
     assert {a["arm"] for a in result["arms"]} == {"baseline", "cost_aware"}
     by_arm = {a["arm"]: a for a in result["arms"]}
-    # the baseline reaches its own peak; the cost-aware arm trains on fewer policy tokens in total
-    assert by_arm["baseline"]["targets"][0]["x"] is not None
+    # the cost-aware arm trains on fewer policy tokens in total
     assert by_arm["cost_aware"]["x_total"] < by_arm["baseline"]["x_total"]
+    # 3 steps of a random tiny model: the baseline does not improve, so nothing is claimed
+    assert result["claim"] is False and not result["baseline_improvement"]["improved"]
+    assert "did not improve beyond noise: no claim" in out
+    assert all(t["x"] is None and t["saving_pct"] is None for a in result["arms"] for t in a["targets"])
 
 
 def test_cli_compare_folder_of_runs(real_runs, tmp_path, capsys):
@@ -219,38 +226,95 @@ def test_minimize_and_keys():
     assert canonical_key("_runtime") == "wall_time" and canonical_key("train/global_step") == "step"
 
 
-def test_wandb_offline_folder(tmp_path, monkeypatch, capsys, finished_wandb_run):
-    """A W&B offline run (written by wandb itself) is read back and compared like a local one."""
-    wandb = pytest.importorskip("wandb")
-    for key, value in {
-        "WANDB_MODE": "offline",
-        "WANDB_DIR": str(tmp_path),
-        "WANDB_SILENT": "true",
-        "WANDB_CONSOLE": "off",
-        "WANDB_DISABLE_GIT": "true",
-    }.items():
-        monkeypatch.setenv(key, value)
-    for name, cost_aware, rewards in (("wb-base", False, [0.1, 0.5, 0.4]), ("wb-ca", True, [0.2, 0.6, 0.6])):
-        run = wandb.init(project="p", name=name, group="g", config={"cost_aware": cost_aware, "seed": 3})
-        run.define_metric("train/cost_aware/policy_tokens")
-        run.define_metric("train/reward*", step_metric="train/cost_aware/policy_tokens")
-        scale = 50 if cost_aware else 100
+class StandInRun:
+    """A `wandb.apis.public.Run` as compare uses it: id, name, group, job_type, tags, config, scan_history()."""
+
+    def __init__(self, run_id, name, cost_aware, rewards, scale, group="g"):
+        self.id, self.name, self.group, self.tags = run_id, name, group, ["x"]
+        self.job_type = "cost_aware" if cost_aware else "baseline"
+        self.config = {"cost_aware": cost_aware, "seed": 3, "_wandb": {"internal": 1}}
+        self.history = [{"_step": 0, "_runtime": 1.0, "train/global_step": 0, "train/learning_rate": 1e-6}]
         for i, r in enumerate(rewards, 1):
-            run.log({"train/reward": r, "train/cost_aware/policy_tokens": scale * i, "train/global_step": i})
-        run.finish()
-    folders = sorted(str(p) for p in (tmp_path / "wandb").glob("offline-run-*"))
-    assert len(folders) == 2
-    histories = [finished_wandb_run(f) for f in folders]
-    history = histories[0]
-    assert history.info["group"] == "g" and history.info["seed"] == 3
-    assert [r["reward"] for r in history.rows if "reward" in r][:1] in ([0.1], [0.2])
-    assert any(m["glob_name"] == "train/reward*" for m in history.info["wandb_metrics"])
-    rc = main([str(tmp_path / "wandb"), "--smooth", "0", "--no-plot", "--json", str(tmp_path / "r.json")])
+            self.history.append(
+                {"_step": i, "_runtime": float(i), "train/global_step": i, "train/reward": r}
+                | {"train/cost_aware/policy_tokens": scale * i}
+            )
+        self.history.append({"_step": 99, "eval/reward": None, "media": "table", "train/flag": True})
+
+    def scan_history(self, keys=None, page_size=1000, min_step=None, max_step=None):
+        for row in self.history:
+            if keys is None or all(k in row for k in keys):
+                yield dict(row)
+
+
+class StandInApi:
+    """`wandb.Api` with the calls compare makes: `run(path)` and `runs(path, filters)`."""
+
+    calls: list = []
+    runs_by_path = {
+        "ent/proj": [
+            StandInRun("b1", "wb-base", False, [0.1, 0.3, 0.5, 0.7, 0.6], 100),
+            StandInRun("c1", "wb-ca", True, [0.2, 0.6, 0.6, 0.7, 0.7], 50),
+            StandInRun("o1", "other", True, [0.0], 50, group="other-group"),
+        ]
+    }
+
+    def __init__(self, overrides=None, timeout=None, api_key=None):
+        self.calls.append(("init", timeout))
+
+    def run(self, path):
+        self.calls.append(("run", path))
+        entity, project, run_id = path.split("/")
+        for run in self.runs_by_path.get(f"{entity}/{project}", []):
+            if run.id == run_id:
+                return run
+        raise ValueError(f"Could not find run {path}")
+
+    def runs(self, path, filters=None, order="+created_at", per_page=50):
+        self.calls.append(("runs", path, filters))
+        group = (filters or {}).get("group")
+        return [r for r in self.runs_by_path.get(path, []) if group is None or r.group == group]
+
+
+def test_wandb_online_group_and_run(monkeypatch, tmp_path, capsys):
+    """Runs read through (a stand-in for) the W&B API: a whole group, a single run, keys as the trainer logs them."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setattr(wandb, "Api", StandInApi)
+    StandInApi.calls.clear()
+    runs = load_runs(["https://wandb.ai/ent/proj/groups/g"], progress=False)
+    assert ("runs", "ent/proj", {"group": "g"}) in StandInApi.calls
+    assert [r.name for r in runs] == ["wb-base", "wb-ca"] and [r.kind for r in runs] == ["wandb-online"] * 2
+    base = runs[0]
+    assert base.info["arm"] == "baseline" and base.info["seed"] == 3 and base.info["group"] == "g"
+    assert "_wandb" not in base.info["config"] and base.source == "ent/proj/b1"
+    assert base.rows[1] == {"_step": 1, "step": 1, "wall_time": 1.0, "reward": 0.1, "cost_aware/policy_tokens": 100}
+    assert base.rows[-1] == {"_step": 99}  # None, text and booleans are not metrics
+    rc = main(["ent/proj/groups/g", "--smooth", "0", "--no-plot", "--json", str(tmp_path / "r.json")])
     assert rc == 0
     result = json.loads((tmp_path / "r.json").read_text())
+    assert result["claim"] is True
     ca = next(a for a in result["arms"] if a["arm"] == "cost_aware")
-    # baseline peak 0.5 at 200 tokens; cost-aware crosses 0.5 between (50, 0.2) and (100, 0.6): at 87.5 tokens
-    assert ca["targets"][0]["x"] == pytest.approx(87.5) and ca["targets"][0]["saving_pct"] == pytest.approx(56.25)
+    # baseline peak 0.7 at 400 tokens; the cost-aware run reaches 0.7 at 200 tokens
+    assert ca["targets"][0]["x"] == pytest.approx(200) and ca["targets"][0]["saving_pct"] == pytest.approx(50)
+    single = load_runs(["ent/proj/runs/c1"], progress=False)
+    assert ("run", "ent/proj/c1") in StandInApi.calls and single[0].info["arm"] == "cost_aware"
+    assert main(["ent/proj/nope", "--no-plot"]) == 2
+    assert (
+        "cannot read it as a W&B run online (ValueError: Could not find run ent/proj/nope)" in capsys.readouterr().err
+    )
+    assert main(["ent/proj/groups/empty", "--no-plot"]) == 2
+    assert "has no runs" in capsys.readouterr().err
+
+
+def test_wandb_offline_files_are_not_read(tmp_path, capsys):
+    run_dir = tmp_path / "wandb" / "offline-run-1"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run-1.wandb").write_bytes(b":W&B")
+    assert main([str(tmp_path / "wandb"), "--no-plot"]) == 2
+    assert "pass the run's output dir" in capsys.readouterr().err
+    assert main([str(run_dir / "run-1.wandb"), "--no-plot"]) == 2
+    assert "wandb sync" in capsys.readouterr().err
 
 
 def test_online_path_unreachable_is_a_clear_error(monkeypatch, capsys):
@@ -278,3 +342,73 @@ def test_early_noise_is_not_a_crossing():
     assert ca_arm["targets"][0]["x"] is None
     kept = compare_runs([base, ca], smoothing=2, min_points=1)
     assert next(a for a in kept.arms if a["arm"] == "cost_aware")["targets"][0]["x"] == 5.0
+
+
+# ---------------------------------------------------------------------------------------------------- noise rule
+def flat_noisy(seed, n=100, tokens_per_step=100):
+    """A reward curve with no trend: 0.4 + N(0, 0.08) per step (like the old embedded demo's flat curves)."""
+    rng = np.random.default_rng(seed)
+    return [tokens_per_step * (i + 1) for i in range(n)], 0.4 + rng.normal(0.0, 0.08, n)
+
+
+def improving(seed, n=100, tokens_per_step=100, gain=0.3):
+    xs, ys = flat_noisy(seed, n, tokens_per_step)
+    return xs, ys + gain * np.arange(n) / n
+
+
+def test_flat_noisy_baseline_makes_no_claim(tmp_path, capsys):
+    """On two flat noisy curves the cost-aware arm crosses the baseline's (noise) peak with far fewer tokens: the code
+    before the noise rule reported that as an 87% saving. Now: no claim."""
+    dirs = [
+        write_run(tmp_path / "base", *flat_noisy(28), cost_aware=False),
+        write_run(tmp_path / "ca", *flat_noisy(29, tokens_per_step=50), cost_aware=True),
+    ]
+    result = compare_runs(load_runs(dirs))
+    base, ca = result.curves["arms"]["baseline"], result.curves["arms"]["cost_aware"]
+    peak = result.targets[0].value
+    # what the old report printed: tokens to the baseline's peak, cost-aware vs baseline
+    (old_ca,), (old_base,) = first_crossing(ca.x, ca.y, peak), first_crossing(base.x, base.y, peak)
+    assert old_ca is not None and 1 - old_ca / old_base > 0.5
+    assert not result.claim and result.noise.runs == 1 and result.noise.window == 20
+    assert all(t["x"] is None and t["saving_pct"] is None for r in result.arms + result.runs for t in r["targets"])
+    assert main([*dirs, "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "Baseline did not improve beyond noise: no claim" in out
+    ca_line = next(line for line in out.splitlines() if line.startswith("| cost_aware "))
+    assert ca_line.count(NO_CLAIM) == 6 and "%" not in ca_line
+
+
+def test_flat_noisy_seeds_make_no_claim():
+    runs = [synthetic(f"b{s}", *flat_noisy(s), False, seed=s) for s in range(3)]
+    runs += [synthetic(f"c{s}", *flat_noisy(10 + s, tokens_per_step=50), True, seed=s) for s in range(3)]
+    result = compare_runs(runs)
+    assert result.noise.rule == "bootstrap over seeds" and result.noise.runs == 3
+    assert result.noise.lo < 0 < result.noise.hi and not result.claim
+    assert "no claim" in format_report(result)
+
+
+@pytest.mark.parametrize("seeds", [1, 3])
+def test_improving_baseline_still_claims(seeds, tmp_path):
+    runs = [synthetic(f"b{s}", *improving(s), False, seed=s) for s in range(seeds)]
+    runs += [synthetic(f"c{s}", *improving(10 + s, tokens_per_step=50), True, seed=s) for s in range(seeds)]
+    result = compare_runs(runs)
+    assert result.claim and result.noise.improvement > 0.2 and result.noise.lo > 0
+    ca = next(a for a in result.arms if a["arm"] == "cost_aware")
+    assert ca["targets"][0]["saving_pct"] > 20  # half the tokens per step, same gain per step
+    report = format_report(result)
+    assert "Baseline improved beyond noise" in report and NO_CLAIM not in report
+    plot(result, str(tmp_path / "p.png"))
+
+
+def test_noise_rule_pieces():
+    assert improvement([0, 0, 0, 0, 0, 1, 1, 1, 1, 1]) == pytest.approx(1.0)  # windows of 2
+    assert step_noise_sd(np.arange(50) * 0.01) == pytest.approx(0.0, abs=1e-12)  # a linear trend is not noise
+    noisy = np.random.default_rng(0).normal(0, 0.1, 20_000)
+    assert step_noise_sd(noisy) == pytest.approx(0.1, rel=0.03)
+    assert bootstrap_mean_interval([1.0, 2.0]) == pytest.approx((1.0, 2.0))
+    lo, hi = bootstrap_mean_interval([0.1, 0.2, 0.3, 0.25])
+    assert 0.1 <= lo < 0.2125 < hi <= 0.3
+    two = baseline_improvement([[0, 0, 1, 1, 1], [0, 0, 0, 0, -0.1]])  # one seed improved, one did not
+    assert not two.improved and two.lo < 0
+    assert not baseline_improvement([[0.0, 1.0]]).improved  # 2 points: no noise estimate
+    assert not baseline_improvement([]).improved

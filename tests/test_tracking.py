@@ -11,6 +11,7 @@ import pytest
 from transformers import TrainerState
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware.compare import canonical_key
 from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
 from trl_costaware.embedded.model import tiny_model_path
 from trl_costaware.tracking import (
@@ -56,7 +57,8 @@ def tiny_args(output_dir, **overrides):
 
 @pytest.fixture(scope="module")
 def wandb_run(tmp_path_factory):
-    """One real 4-step cost-aware run logging to an offline W&B run; returns (trainer, output_dir, wandb run dir)."""
+    """One real 4-step cost-aware run logging to an offline W&B run; returns the trainer, its output dir, the W&B run's
+    group / job type / config / folder, and what was logged to and defined on the W&B run."""
     wandb = pytest.importorskip("wandb")
     root = tmp_path_factory.mktemp("wandb_run")
     env = {
@@ -75,6 +77,23 @@ def wandb_run(tmp_path_factory):
         mp.delenv("WANDB_RUN_GROUP", raising=False)
         mp.delenv("WANDB_JOB_TYPE", raising=False)
         wandb.teardown()  # wandb reads its environment once per process (at setup): start afresh with this one
+        # What the trainer hands to W&B, seen at the W&B run's own methods (transformers logs through wandb.log,
+        # which is the run's bound `log` once it exists); the originals still run.
+        from wandb.sdk.wandb_run import Run
+
+        logged, defined = [], {}
+        original_log, original_define = Run.log, Run.define_metric
+
+        def log(self, data, *args, **kwargs):
+            logged.append({canonical_key(k): v for k, v in data.items()})
+            return original_log(self, data, *args, **kwargs)
+
+        def define_metric(self, name, *args, **kwargs):
+            defined[name] = kwargs.get("step_metric")
+            return original_define(self, name, *args, **kwargs)
+
+        mp.setattr(Run, "log", log)
+        mp.setattr(Run, "define_metric", define_metric)
         out = root / "out"
         args = tiny_args(out, report_to=["wandb"], cost_aware_run_group=GROUP, run_name="ca-tracking")
         validate_report_to(args)
@@ -87,10 +106,11 @@ def wandb_run(tmp_path_factory):
         )
         ensure_tracking(trainer)
         trainer.train()
-        run_dir = os.path.dirname(wandb.run.dir)
+        run = wandb.run
+        seen = {"group": run.group, "job_type": run.job_type, "config": dict(run.config), "dir": run.dir}
         wandb.finish()
         wandb.teardown()  # waits until the service has written the run; the next wandb user re-reads the env
-    return types.SimpleNamespace(trainer=trainer, out=out, run_dir=run_dir)
+    return types.SimpleNamespace(trainer=trainer, out=out, run=seen, logged=logged, defined=defined)
 
 
 def read_jsonl(path):
@@ -149,13 +169,13 @@ def test_run_sidecar(wandb_run):
 
 
 # ---------------------------------------------------------------------------------------------------- W&B run
-def test_wandb_offline_run_holds_metrics(wandb_run, finished_wandb_run):
-    run = finished_wandb_run(wandb_run.run_dir)
-    assert run.info["wandb"]["group"] == GROUP  # the W&B run's own group, not the config field
-    assert run.info["wandb"]["job_type"] == "cost_aware" and run.info["arm"] == "cost_aware"
-    assert run.info["config"]["cost_aware"] is True
-    train = [r for r in run.rows if "reward" in r]
-    evals = [r for r in run.rows if "eval_reward" in r]
+def test_wandb_run_gets_group_arm_and_metrics(wandb_run):
+    assert wandb_run.run["group"] == GROUP  # the W&B run's own group, not the config field
+    assert wandb_run.run["job_type"] == "cost_aware"
+    assert wandb_run.run["config"]["cost_aware"] is True
+    assert os.path.isdir(wandb_run.run["dir"])  # an offline run folder was written
+    train = [r for r in wandb_run.logged if "reward" in r]
+    evals = [r for r in wandb_run.logged if "eval_reward" in r]
     assert len(train) == 4 and len(evals) == 2
     for r in train:
         assert {"cost_aware/policy_tokens", "cost_aware/kept_row_fraction", "cost_aware/j_ratio_ideal"} <= set(r)
@@ -165,18 +185,16 @@ def test_wandb_offline_run_holds_metrics(wandb_run, finished_wandb_run):
     assert [r["reward"] for r in train] == pytest.approx([r["reward"] for r in local])
 
 
-def test_wandb_offline_run_holds_token_axis(wandb_run, finished_wandb_run):
-    metrics = finished_wandb_run(wandb_run.run_dir).info["wandb_metrics"]
-    by_glob = {m["glob_name"]: m["step_metric"] for m in metrics if m["glob_name"]}
-    by_name = {m["name"]: m["step_metric"] for m in metrics if m["name"]}
+def test_wandb_run_gets_token_axis(wandb_run):
+    defined = wandb_run.defined
     assert WANDB_TOKEN_AXIS == "train/cost_aware/policy_tokens"
-    assert WANDB_TOKEN_AXIS in by_name  # the x-axis itself is defined
+    assert WANDB_TOKEN_AXIS in defined and defined[WANDB_TOKEN_AXIS] is None  # the x-axis itself is defined
     for glob in ("train/reward*", "eval/*", "train/cost_aware/*"):
-        assert by_glob[glob] == WANDB_TOKEN_AXIS
+        assert defined[glob] == WANDB_TOKEN_AXIS
     # exact names beat transformers' "*" -> train/global_step glob
     for name in ("train/reward", "train/reward_std", "eval/reward", "train/cost_aware/kept_row_fraction"):
-        assert by_name[name] == WANDB_TOKEN_AXIS, name
-    assert by_glob["*"] == "train/global_step"
+        assert defined[name] == WANDB_TOKEN_AXIS, name
+    assert defined["*"] == "train/global_step"
 
 
 # ---------------------------------------------------------------------------------------------------- units

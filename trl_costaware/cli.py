@@ -8,8 +8,8 @@ USAGE = """usage: trl-costaware {train,compare} ...
 
 commands:
   train     train with CostAwareGRPOTrainer (trl-costaware train --help)
-  compare   compare runs by reward against tokens; tokens saved to reach the baseline's peak
-            (trl-costaware compare --help)
+  compare   compare runs by reward against tokens; tokens saved to reach the baseline's peak, when the
+            baseline improved beyond noise (trl-costaware compare --help)
 """
 
 

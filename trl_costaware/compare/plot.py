@@ -1,0 +1,94 @@
+"""The PNG of `trl-costaware compare`: the smoothed metric against the x-axis, per arm and run, with the targets."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from .noise import NO_CLAIM
+from .report import NOT_REACHED, fmt_pct, target_name
+from .targets import Result
+
+X_LABELS = {
+    "cost_aware/policy_tokens": "policy-optimisation tokens",
+    "cost_aware/policy_tokens_padded": "policy-optimisation tokens (with padding)",
+    "cost_aware/generated_tokens": "generated (completion) tokens",
+    "cost_aware/rollout_tokens": "rollout tokens (prompt + completion)",
+    "num_tokens": "rollout tokens (TRL num_tokens)",
+    "wall_time": "wall time (s)",
+    "step": "global step",
+}
+
+
+def plot(result: Result, path: str, show_runs: bool = True, title: str | None = None) -> str:
+    """PNG of the smoothed metric against the x-axis: one line per arm (mean over seeds, band), thin lines for the
+    runs of arms with several seeds, the targets and where each arm first reaches them. Uses the Agg canvas only."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8.5, 5.2), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    colors = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink"]
+    order = [a["arm"] for a in result.arms]
+    for i, label in enumerate(order):
+        color = colors[i % len(colors)]  # the baseline comes first: gray
+        c = result.curves["arms"][label]
+        members = result.arm_members[label]
+        if show_runs and len(members) > 1:
+            for name in members:
+                rc = result.curves["runs"][name]
+                ax.plot(rc.x, rc.y, color=color, alpha=0.25, linewidth=0.8)
+        if c.n > 1 and c.lo is not None:
+            ax.fill_between(c.x, c.lo, c.hi, color=color, alpha=0.18, linewidth=0)
+        n_txt = f" ({c.n} runs)" if c.n > 1 else ""
+        ax.plot(c.x, c.y, color=color, linewidth=2.0, label=f"{label}{n_txt}")
+        arm = next(a for a in result.arms if a["arm"] == label)
+        for t, at in zip(result.targets, arm["targets"], strict=True):
+            if at["x"] is not None:
+                ax.plot([at["x"]], [t.value], marker="o" if t.fraction == 1.0 else "v", color=color, markersize=6)
+    span = float(np.nanmax([np.nanmax(np.abs(c.y)) for c in result.curves["arms"].values()]) or 1.0)
+    labelled = []
+    for t in result.targets:
+        ax.axhline(t.value, color="black", linestyle="--" if t.fraction == 1.0 else ":", linewidth=0.8, alpha=0.7)
+        near = [lab for lab in labelled if abs(lab[0] - t.value) <= 0.02 * span]
+        if near:  # targets on top of each other (a flat or tiny peak): one label
+            near[0][1].set_text(near[0][1].get_text() + f" = {target_name(t.fraction)}")
+            continue
+        text = ax.annotate(
+            f"baseline {target_name(t.fraction)}",
+            xy=(1.0, t.value),
+            xycoords=("axes fraction", "data"),
+            ha="right",
+            va="bottom" if t.fraction == 1.0 else "top",
+            fontsize=8,
+            alpha=0.8,
+        )
+        labelled.append((t.value, text))
+    ax.set_xlabel(X_LABELS.get(result.x_key, result.x_key))
+    smooth_txt = "" if result.smoothing <= 0 else f" (smoothed {result.smoothing:g})"
+    ax.set_ylabel(f"{result.metric}{smooth_txt}")
+    savings = []
+    for a in result.arms:
+        if a["arm"] != result.baseline:
+            s = a["targets"][0]["saving_pct"]
+            reached = a["targets"][0]["x"] is not None
+            savings.append(f"{a['arm']}: {fmt_pct(s) if reached else NOT_REACHED if result.claim else NO_CLAIM}")
+    ax.set_title(title or f"{result.metric} vs {X_LABELS.get(result.x_key, result.x_key)}", fontsize=11)
+    if savings:
+        ax.text(
+            0.01,
+            0.01,
+            ("tokens to baseline peak vs baseline — " if result.claim else "baseline within noise — ")
+            + "; ".join(savings),
+            transform=ax.transAxes,
+            fontsize=8,
+            va="bottom",
+        )
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path)
+    return path

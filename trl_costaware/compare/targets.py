@@ -1,0 +1,240 @@
+"""The comparison of `trl-costaware compare`: arms, the baseline's targets (its peak and fractions of it), where
+every arm and run first reaches them, the saving against the baseline, and the noise rule (`noise`) that decides
+whether any of that is reported."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..tracking import BASELINE_ARM, COST_AWARE_ARM
+from .curves import Curve, aggregate, first_crossing, raw_series, run_curve, smoothing_window
+from .noise import NoiseCheck, baseline_improvement
+from .readers import CompareError, RunHistory, canonical_key, canonical_x, default_arm
+
+DEFAULT_METRIC = "reward"
+DEFAULT_X = "cost_aware/policy_tokens"
+DEFAULT_SMOOTH = 0.6
+DEFAULT_FRACTIONS = (1.0, 0.99)
+
+
+@dataclass
+class Target:
+    fraction: float
+    value: float  # in the metric's units (sign as logged)
+    baseline_x: float | None
+    baseline_wall: float | None
+
+
+@dataclass
+class Result:
+    metric: str
+    x_key: str
+    smoothing: float
+    min_points: int
+    minimize: bool
+    baseline: str
+    baseline_peak: float
+    targets: list[Target]
+    runs: list[dict]
+    arms: list[dict]
+    curves: dict  # "runs": name -> Curve ; "arms": arm label -> Curve
+    arm_members: dict  # arm label -> [run names]
+    noise: NoiseCheck  # did the baseline improve beyond noise? (no: no tokens-to-target numbers, no savings)
+
+    @property
+    def claim(self) -> bool:
+        return self.noise.improved
+
+    def to_json(self) -> dict:
+        return {
+            "metric": self.metric,
+            "x": self.x_key,
+            "smoothing": self.smoothing,
+            "min_points": self.min_points,
+            "minimize": self.minimize,
+            "baseline": self.baseline,
+            "baseline_peak": self.baseline_peak,
+            "claim": self.claim,
+            "baseline_improvement": self.noise.to_json(),
+            "targets": [t.__dict__ for t in self.targets],
+            "arms": self.arms,
+            "runs": self.runs,
+        }
+
+
+def assign_labels(runs: list[RunHistory], labels: list[str] | None = None, arm_by: list[str] | None = None) -> None:
+    """``labels``: ``PATTERN=LABEL`` globs matched against a run's name, source and group (first match wins);
+    ``arm_by``: info/config fields whose values name the arm; else the run's arm (baseline / cost_aware)."""
+    rules = []
+    for spec in labels or []:
+        if "=" not in spec:
+            raise CompareError(f"--label {spec!r}: expected PATTERN=LABEL, e.g. '*baseline*=baseline'")
+        pattern, label = spec.rsplit("=", 1)
+        rules.append((pattern, label))
+    for run in runs:
+        run.label = None
+        for pattern, label in rules:
+            names = [run.name, run.source, os.path.basename(run.source), str(run.info.get("group") or "")]
+            if any(fnmatch.fnmatch(n, pattern) for n in names):
+                run.label = label
+                break
+        if run.label is None and arm_by:
+            parts = []
+            for fld in arm_by:
+                value = run.info.get(fld, (run.info.get("config") or {}).get(fld))
+                parts.append(f"{fld}={value}")
+            run.label = ",".join(parts)
+        if run.label is None:
+            if rules:
+                raise CompareError(f"run {run.name} ({run.source}) matches no --label pattern")
+            run.label = default_arm(run.info)
+
+
+def _choose_baseline(arms: dict[str, list[RunHistory]], baseline: str | None) -> str:
+    if baseline is not None:
+        if baseline not in arms:
+            raise CompareError(f"--baseline {baseline!r} is not an arm; arms: {', '.join(arms)}")
+        return baseline
+    if BASELINE_ARM in arms:
+        return BASELINE_ARM
+    off = [a for a, members in arms.items() if all(default_arm(r.info) != COST_AWARE_ARM for r in members)]
+    if len(off) == 1:
+        return off[0]
+    raise CompareError(
+        f"cannot tell which arm is the baseline (arms: {', '.join(arms)}); name it with --baseline, or run it "
+        "with cost_aware=False"
+    )
+
+
+def _target_value(peak: float, start: float, fraction: float) -> float:
+    """``fraction`` of the peak for a positive peak (the paper's "99% of peak"); else ``fraction`` of the way from
+    the baseline's first value to its peak. Values in "higher is better" units."""
+    if fraction == 1.0:
+        return peak
+    if peak > 0:
+        return fraction * peak
+    return start + fraction * (peak - start)
+
+
+def _finite(v):
+    return None if v is None or not math.isfinite(v) else float(v)
+
+
+def _is_axis_key(key: str) -> bool:
+    return key.endswith(("tokens", "tokens_padded")) or key in ("wall_time", "step")
+
+
+def _curve_stats(c: Curve, targets: list[Target], sign: float, claim: bool) -> dict:
+    """Final and peak value, totals, and per target the x and wall time of the first crossing and the savings
+    against the baseline's (all None when there is no claim)."""
+    finite = np.isfinite(c.y)
+    ys, xs = c.y[finite], c.x[finite]
+    i_peak = int(np.argmax(ys))
+    out = {
+        "final": sign * float(ys[-1]),
+        "peak": sign * float(ys[i_peak]),
+        "x_at_peak": float(xs[i_peak]),
+        "x_total": float(xs[-1]),
+        "wall_total": _finite(c.wall[finite][-1]),
+        "points": int(finite.sum()),
+        "targets": [],
+    }
+    for t in targets:
+        tx, tw = first_crossing(xs, ys, sign * t.value, c.wall[finite]) if claim else (None, None)
+        tw = _finite(tw)
+        saving = 100.0 * (1.0 - tx / t.baseline_x) if tx is not None and t.baseline_x else None
+        wall_saving = 100.0 * (1.0 - tw / t.baseline_wall) if tw is not None and t.baseline_wall else None
+        out["targets"].append(
+            {"fraction": t.fraction, "x": tx, "saving_pct": saving, "wall": tw, "wall_saving_pct": wall_saving}
+        )
+    return out
+
+
+def compare_runs(
+    runs: list[RunHistory],
+    metric: str = DEFAULT_METRIC,
+    x: str = DEFAULT_X,
+    smoothing: float = DEFAULT_SMOOTH,
+    min_points: int | None = None,
+    fractions=DEFAULT_FRACTIONS,
+    baseline: str | None = None,
+    labels: list[str] | None = None,
+    arm_by: list[str] | None = None,
+    band: str = "minmax",
+    minimize: bool = False,
+) -> Result:
+    """Group `runs` into arms, average each arm's seeds, take the baseline arm's peak (and `fractions` of it) as
+    targets, and find where every arm and run first reaches them. Tokens-to-target numbers and savings are given
+    only when the baseline improved beyond noise (`trl_costaware.compare.noise`); else they are None."""
+    metric, x_key = canonical_key(metric), canonical_x(x)
+    if not runs:
+        raise CompareError("no runs to compare")
+    assign_labels(runs, labels, arm_by)
+    sign = -1.0 if minimize else 1.0
+    curves = {}
+    for run in runs:
+        c = run_curve(run, metric, x_key, smoothing, min_points)
+        if c is None:
+            have = sorted({k for r in run.rows for k in r})
+            hint = [k for k in have if metric in k or k.endswith(metric.split("_")[-1])][:6]
+            raise CompareError(
+                f"run {run.name} ({run.source}) has no rows with both {metric!r} and {x_key!r}"
+                + (f"; similar keys: {', '.join(hint)}" if hint else "")
+                + (f"; x-axis candidates: {', '.join(k for k in have if _is_axis_key(k))}")
+            )
+        c.y, c.raw = sign * c.y, sign * c.raw  # internally always maximised
+        curves[run.name] = c
+    arms: dict[str, list[RunHistory]] = {}
+    for run in runs:
+        arms.setdefault(run.label, []).append(run)
+    base_label = _choose_baseline(arms, baseline)
+    noise = baseline_improvement([sign * raw_series(r, metric, x_key)[1] for r in arms[base_label]])
+    arm_curves = {label: aggregate([curves[r.name] for r in members], band) for label, members in arms.items()}
+    base = arm_curves[base_label]
+    peak = float(np.nanmax(base.y))
+    start = float(base.y[np.isfinite(base.y)][0])
+    targets = []
+    for f in fractions:
+        value = _target_value(peak, start, f)
+        bx, bw = first_crossing(base.x, base.y, value, base.wall) if noise.improved else (None, None)
+        targets.append(Target(fraction=f, value=sign * value, baseline_x=bx, baseline_wall=_finite(bw)))
+
+    run_rows = []
+    for run in runs:
+        s = _curve_stats(curves[run.name], targets, sign, noise.improved)
+        s.update({"name": run.name, "arm": run.label, "seed": run.info.get("seed"), "source": run.source})
+        s["kind"] = run.kind
+        run_rows.append(s)
+    base_final = _curve_stats(base, targets, sign, noise.improved)["final"]
+    arm_rows = []
+    for label, members in arms.items():
+        s = _curve_stats(arm_curves[label], targets, sign, noise.improved)
+        s.update({"arm": label, "runs": len(members), "seeds": sorted({str(r.info.get("seed")) for r in members})})
+        s["final_vs_baseline"] = s["final"] - base_final
+        arm_rows.append(s)
+    arm_rows.sort(key=lambda r: (r["arm"] != base_label, r["arm"]))
+    run_rows.sort(key=lambda r: (r["arm"] != base_label, r["arm"], str(r["seed"]), r["name"]))
+    for c in list(curves.values()) + list(arm_curves.values()):  # back to the metric's sign for plotting
+        c.y, c.raw = sign * c.y, sign * c.raw
+        if c.lo is not None:
+            c.lo, c.hi = (sign * c.lo, sign * c.hi) if sign > 0 else (sign * c.hi, sign * c.lo)
+    return Result(
+        metric=metric,
+        x_key=x_key,
+        smoothing=smoothing,
+        min_points=smoothing_window(smoothing) if min_points is None else max(1, min_points),
+        minimize=minimize,
+        baseline=base_label,
+        baseline_peak=sign * peak,
+        targets=targets,
+        runs=run_rows,
+        arms=arm_rows,
+        curves={"runs": curves, "arms": arm_curves},
+        arm_members={label: [r.name for r in members] for label, members in arms.items()},
+        noise=noise,
+    )
