@@ -1,15 +1,24 @@
-"""Benchmark 2: how well |A_i| predicts the true per-sequence gradient norm G_i (embedded default, mid-training).
+"""Benchmark 2: how well a gradient proxy predicts the true per-row gradient norm G_i, per loss type.
 
-    python benchmarks/proxy_fidelity.py --quick     # 10 GRPO steps, then 1 generation batch of 256 rows
-    python benchmarks/proxy_fidelity.py             # 40 GRPO steps, then 3 generation batches
+    python benchmarks/proxy_fidelity.py --quick     # dapo only, 10 GRPO steps, 1 generation batch of 256 rows
+    python benchmarks/proxy_fidelity.py             # dapo, grpo, dr_grpo: 40 GRPO steps each, 3 batches each
 
-GRPO (the benchmark recipe, dapo loss, beta=0) trains the warmed-up tiny model for `--mid-steps` steps; then, for each
-of `--batches` fresh generation batches (16 prompts x 16 rollouts), every row's own policy-loss term (TRL's
-`_compute_loss` on that row alone, the full batch's token normaliser kept) is back-propagated separately, and G_i is
-the norm of its gradient over all parameters. Reported: Pearson (and Spearman) correlation between |A_i| and G_i over
-all rows and over the informative rows (A_i != 0; rows with A_i = 0 have G_i = 0 exactly when beta = 0), and the
-distance of each sampling distribution from the optimum p* ∝ G_i/√c_i: χ²(r*‖r) with r_i ∝ p_i c_i, r*_i ∝ G_i √c_i,
-which equals J(p)/J(p*) − 1 (ALGORITHM.md §1), computed with `trl_costaware.sampling`.
+For each loss type, GRPO (the benchmark recipe with that loss type, beta=0) trains the warmed-up tiny model for
+`--mid-steps` steps; then, for each of `--batches` fresh generation batches (16 prompts x 16 rollouts), every row's own
+policy-loss term (TRL's `_compute_loss` on that row alone, the full batch's normaliser kept) is back-propagated
+separately, and G_i is the norm of its gradient over all parameters. The sampled tokens' probabilities under the
+sampling policy (a no-grad forward; vLLM returns them with the rollout) are recorded too.
+
+Proxies compared (`trl_costaware.proxy`, docs/budget_and_proxy.md §1):
+- "advantage":            |A_i|                                      (the paper's proxy)
+- "loss_aware γ":         |A_i| · L_i^γ / Z_i                        (length and the loss type's normaliser)
+- "loss_aware+logp γ":    |A_i| · (Σ_t (1 − π(y_t))^(1/γ))^γ / Z_i   (also the sampled tokens' probabilities)
+- "optimal p*":           the true G_i
+
+Reported per loss type and batch: Pearson (and Spearman) between proxy and G_i over all rows and over the
+informative rows (A_i != 0), and the cost factor of sampling ∝ proxy/√c against the optimum ∝ G_i/√c:
+J(p)/J(p*) = 1 + χ²(r*‖r) (ALGORITHM.md §1), from `trl_costaware.sampling`. The in-sample best γ (the grid value
+with the smallest J(p)/J(p*) per batch, median over batches) is reported per loss type to check the fixed default.
 """
 
 from __future__ import annotations
@@ -25,20 +34,27 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
 
-
-def chi2(g, c, p) -> float:
-    """χ²(r*‖r), r_i ∝ p_i c_i, r*_i ∝ G_i √c_i (∞ if some G_i > 0 has p_i = 0)."""
-    import torch
-
-    g, c, p = g.double(), c.double(), p.double()
-    r = p * c
-    r = r / r.sum()
-    rs = g * c.sqrt()
-    rs = rs / rs.sum()
-    if bool(((rs > 0) & (r <= 0)).any()):
-        return float("inf")
-    pos = r > 0
-    return float((((rs - r) ** 2)[pos] / r[pos]).sum() + torch.zeros(()))
+# The GRPO recipe of the original embedded task ("old task"), pinned here so this benchmark keeps measuring the same
+# setting when the demo's recipe changes: 16 prompts x 16 rollouts, one optimizer step per generation batch, lr 1e-4.
+OLD_TASK_SETTINGS = dict(
+    per_device_train_batch_size=256,
+    num_generations=16,
+    steps_per_generation=1,
+    max_completion_length=20,
+    learning_rate=1e-4,
+    lr_scheduler_type="constant",
+    temperature=1.0,
+    beta=0.0,
+    logging_steps=1,
+    save_strategy="no",
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    disable_tqdm=True,
+    warmup_steps=0,
+)
+GAMMAS = (0.5, 0.75, 1.0)
+GAMMA_GRID = tuple(round(0.125 * k, 3) for k in range(1, 17))  # 0.125 ... 2
 
 
 def pearson(x, y) -> float:
@@ -51,41 +67,69 @@ def pearson(x, y) -> float:
 
 
 def spearman(x, y) -> float:
+    """Pearson correlation of the ranks (ties get their average rank)."""
     import numpy as np
 
     def rank(v):
         v = np.asarray(v, float)
-        order = v.argsort(kind="stable")
-        r = np.empty(len(v))
-        r[order] = np.arange(len(v))
-        # average ties
-        for val in np.unique(v):
-            idx = v == val
-            r[idx] = r[idx].mean()
-        return r
+        _, inverse, counts = np.unique(v, return_inverse=True, return_counts=True)
+        upper = np.cumsum(counts)
+        return ((upper - counts + upper - 1) / 2.0)[inverse]
 
     return pearson(rank(x), rank(y))
 
 
-def measure(args) -> dict:
+def best_gamma(absa, g, costs, token_mask, token_logps, loss_type) -> float:
+    """The γ of the grid `GAMMA_GRID` whose proxy (with `token_logps`, or length only when None) gives the smallest
+    J(p)/J(p*) for sampling ∝ proxy/√c on this batch: an in-sample optimum, to check the fixed default."""
+    from trl_costaware.proxy import loss_aware_proxy
+    from trl_costaware.sampling import j_ratio_achieved, sampling_distribution
+
+    def cost_factor(gamma):
+        proxy = loss_aware_proxy(absa, token_mask, loss_type, gamma, token_logps)
+        return j_ratio_achieved(g, costs, sampling_distribution(proxy / costs.double().sqrt(), 0.0))
+
+    return min(GAMMA_GRID, key=cost_factor)
+
+
+def sampled_token_logps(model, batch, temperature: float):
+    """log π(y_t) of each sampled completion token under `model` at the sampling temperature, (N, T); no grad."""
+    import torch
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    width = batch["completion_ids"].size(1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits[:, -width - 1 : -1].float() / temperature
+        logps = torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"].unsqueeze(-1)).squeeze(-1)
+    return logps
+
+
+def proxies_for(absa, token_mask, token_logps, loss_type):
+    """name -> proxy tensor (N,), float64."""
+    from trl_costaware.proxy import loss_aware_proxy
+
+    out = {"advantage": absa.double()}
+    for gamma in GAMMAS:
+        out[f"loss_aware γ={gamma:g}"] = loss_aware_proxy(absa, token_mask, loss_type, gamma)
+    for gamma in GAMMAS:
+        out[f"loss_aware+logp γ={gamma:g}"] = loss_aware_proxy(absa, token_mask, loss_type, gamma, token_logps)
+    return out
+
+
+def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
     import torch
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware.batching import select_rows
     from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward, warmed_up_model_path
-    from trl_costaware.sampling import (
-        j_ratio_achieved,
-        j_ratio_ideal,
-        sampling_distribution,
-        sampling_scores,
-        sequence_costs,
-    )
+    from trl_costaware.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution, sequence_costs
 
     torch.manual_seed(args.seed)
-    s = common.BASE_SETTINGS
+    s = {**OLD_TASK_SETTINGS, "loss_type": loss_type}
     prompts_per_step = s["per_device_train_batch_size"] // s["num_generations"]
     config = CostAwareGRPOConfig(
-        output_dir=os.path.join(args.out, "train"),
+        output_dir=os.path.join(args.out, loss_type),
         max_steps=max(args.mid_steps, 1),
         seed=args.seed,
         cost_aware=False,
@@ -93,11 +137,13 @@ def measure(args) -> dict:
     )
     dataset = arithmetic_dataset(max(args.mid_steps, 1) * prompts_per_step + 64, seed=args.seed)
     trainer = CostAwareGRPOTrainer(warmed_up_model_path(), [arithmetic_reward], args=config, train_dataset=dataset)
+    t0 = time.perf_counter()
     if args.mid_steps > 0:
         trainer.train()
+    train_s = time.perf_counter() - t0
     model = trainer.model
     model.train()
-    if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by Trainer.train(); needed by dapo's loss
+    if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by Trainer.train(); needed by the losses
         trainer.current_gradient_accumulation_steps = s.get("gradient_accumulation_steps", 1)
     params = [p for p in model.parameters() if p.requires_grad]
     held = arithmetic_dataset(args.batches * prompts_per_step, seed=10_000 + args.seed)
@@ -109,59 +155,65 @@ def measure(args) -> dict:
         batch = trainer._generate_and_score_completions(inputs)
         adv = batch["advantages"].detach().float().cpu()
         costs = sequence_costs(batch["prompt_mask"], batch["completion_mask"]).cpu()
+        mask = batch["completion_mask"].cpu()
+        logps = sampled_token_logps(model, batch, trainer.temperature).cpu()
         g_true = torch.zeros(len(adv), dtype=torch.float64)
         for i in range(len(adv)):
             sub = select_rows(batch, torch.tensor([i]))
             loss = trainer._compute_loss(model, sub)
             grads = torch.autograd.grad(loss, params, allow_unused=True)
             g_true[i] = torch.sqrt(sum((g.double() ** 2).sum() for g in grads if g is not None))
+        seconds = time.perf_counter() - t0
         absa = adv.abs().double()
         info = absa > 0
+        length = mask.sum(-1).double()
         res = {
+            "loss_type": loss_type,
             "batch": b,
             "rows": len(adv),
             "informative_rows": int(info.sum()),
-            "seconds": time.perf_counter() - t0,
-            "pearson_all": pearson(absa, g_true),
-            "pearson_informative": pearson(absa[info], g_true[info]),
-            "spearman_all": spearman(absa, g_true),
-            "spearman_informative": spearman(absa[info], g_true[info]),
-            "pearson_zero_grad_iff_zero_adv": bool(((g_true > 1e-12) == info).all()),
+            "seconds": seconds,
+            "zero_grad_iff_zero_adv": bool(((g_true > 1e-12) == info).all()),
+            "best_gamma_length": best_gamma(absa, g_true, costs, mask, None, loss_type),
+            "best_gamma_logp": best_gamma(absa, g_true, costs, mask, logps, loss_type),
             "j_ideal_true": j_ratio_ideal(g_true, costs),
-            "j_ideal_proxy": j_ratio_ideal(absa, costs),
-            "distributions": {},
+            "proxies": {},
         }
-        dists = {
-            "advantage alpha=0": sampling_distribution(sampling_scores(adv, costs, "advantage"), 0.0),
-            "advantage alpha=0.1": sampling_distribution(sampling_scores(adv, costs, "advantage"), 0.1),
-            "advantage alpha=0.3": sampling_distribution(sampling_scores(adv, costs, "advantage"), 0.3),
-            "uniform": sampling_distribution(sampling_scores(adv, costs, "uniform"), 0.0),
-            "inverse_sqrt_cost": sampling_distribution(sampling_scores(adv, costs, "inverse_sqrt_cost"), 0.0),
-            "optimal p* (true G)": sampling_distribution(g_true / costs.double().sqrt(), 0.0),
-        }
-        for name, p in dists.items():
-            res["distributions"][name] = {
-                "chi2": chi2(g_true, costs, p),
+        for name, proxy in {**proxies_for(absa, mask, logps, loss_type), "optimal p*": g_true}.items():
+            p = sampling_distribution(proxy / costs.double().sqrt(), 0.0)
+            p_smooth = sampling_distribution(proxy / costs.double().sqrt(), 0.1)
+            res["proxies"][name] = {
+                "pearson_all": pearson(proxy, g_true),
+                "pearson_informative": pearson(proxy[info], g_true[info]),
+                "spearman_informative": spearman(proxy[info], g_true[info]),
                 "j_over_j_opt": j_ratio_achieved(g_true, costs, p) / res["j_ideal_true"],
+                "j_over_j_opt_alpha0.1": j_ratio_achieved(g_true, costs, p_smooth) / res["j_ideal_true"],
                 "j_over_j_uniform": j_ratio_achieved(g_true, costs, p),
             }
         batches.append(res)
+        u = 1.0 - logps.exp()
         for i in range(len(adv)):
+            n_tok = int(length[i])
             rows.append(
                 {
+                    "loss_type": loss_type,
                     "batch": b,
                     "abs_advantage": float(absa[i]),
                     "grad_norm": float(g_true[i]),
                     "cost": float(costs[i]),
-                    "completion_tokens": float(batch["completion_mask"][i].sum()),
+                    "completion_tokens": n_tok,
+                    "token_u": " ".join(f"{float(x):.5f}" for x in u[i][mask[i].bool()][:n_tok]),
                 }
             )
+        pa, pl = res["proxies"]["advantage"], res["proxies"]["loss_aware γ=0.5"]
         print(
-            f"batch {b}: pearson all {res['pearson_all']:.3f}, informative {res['pearson_informative']:.3f}, "
-            f"chi2(advantage, alpha=0.1) {res['distributions']['advantage alpha=0.1']['chi2']:.4f}",
+            f"{loss_type} batch {b} ({seconds:.0f}s, training {train_s:.0f}s): best γ {res['best_gamma_length']:g}, "
+            f"{res['best_gamma_logp']:g} (+logp); "
+            f"pearson |A| {pa['pearson_all']:.3f} loss_aware {pl['pearson_all']:.3f}; "
+            f"J/J* |A| {pa['j_over_j_opt']:.3f} loss_aware {pl['j_over_j_opt']:.3f}",
             flush=True,
         )
-    return {"mid_steps": args.mid_steps, "seed": args.seed, "batches": batches, "rows": rows}
+    return batches, rows
 
 
 def write_outputs(res: dict, tag: str) -> str:
@@ -175,52 +227,59 @@ def write_outputs(res: dict, tag: str) -> str:
     summary = {k: v for k, v in res.items() if k != "rows"}
     with open(base + ".json", "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
+
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(6, 4.5), dpi=120)
+    from trl_costaware.proxy import DEFAULT_GAMMA, ROW_MEAN_LOSSES
+
+    loss_types = res["loss_types"]
+    fig = Figure(figsize=(4.2 * len(loss_types), 10.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    a = np.array([r["abs_advantage"] for r in res["rows"]])
-    g = np.array([r["grad_norm"] for r in res["rows"]])
-    c = np.array([r["completion_tokens"] for r in res["rows"]])
-    sc = ax.scatter(a, g, c=c, s=8, cmap="viridis", alpha=0.7)
-    fig.colorbar(sc, ax=ax, label="completion tokens")
-    ax.set_xlabel("|A_i| (proxy)")
-    ax.set_ylabel("per-row policy-gradient norm G_i")
-    ax.set_title(f"proxy fidelity after {res['mid_steps']} GRPO steps, Pearson {pearson(a, g):.3f}", fontsize=10)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
+    for k, lt in enumerate(loss_types):
+        rr = [r for r in res["rows"] if r["loss_type"] == lt]
+        a = np.array([r["abs_advantage"] for r in rr])
+        g = np.array([r["grad_norm"] for r in rr])
+        L = np.array([r["completion_tokens"] for r in rr], float)
+        e = DEFAULT_GAMMA - (1.0 if lt in ROW_MEAN_LOSSES else 0.0)
+        u = [np.array([float(x) for x in r["token_u"].split()]) for r in rr]
+        z = np.where(L > 0, L, 1.0) if lt in ROW_MEAN_LOSSES else np.ones_like(L)
+        h_logp = np.array([(v ** (1 / DEFAULT_GAMMA)).sum() ** DEFAULT_GAMMA for v in u]) / z
+        panels = (
+            (a, "|A_i|"),
+            (a * np.where(L > 0, L, 1.0) ** e, f"|A_i|·L_i^{e:g}"),
+            (a * h_logp, f"|A_i|·h_i(logp), γ={DEFAULT_GAMMA:g}"),
+        )
+        for j, (x, label) in enumerate(panels):
+            ax = fig.add_subplot(len(panels), len(loss_types), 1 + k + j * len(loss_types))
+            sc = ax.scatter(x, g, c=L, s=6, cmap="viridis", alpha=0.7)
+            ax.set_title(f"{lt}: Pearson {pearson(x, g):.3f}", fontsize=9)
+            ax.set_xlabel(label, fontsize=8)
+            ax.set_ylabel("per-row gradient norm G_i", fontsize=8)
+            ax.grid(alpha=0.3)
+    fig.colorbar(sc, ax=fig.axes, label="completion tokens", shrink=0.5)
     fig.savefig(base + ".png")
 
     lines = [
-        f"After {res['mid_steps']} GRPO steps (seed {res['seed']}); {len(res['batches'])} generation batch(es) of "
-        f"{res['batches'][0]['rows']} rows.",
+        f"After {res['mid_steps']} GRPO steps per loss type (seed {res['seed']}); {res['batches_per_loss_type']} "
+        f"generation batch(es) of {res['batches'][0]['rows']} rows per loss type. Means over batches; J(p)/J(p*) for "
+        "sampling ∝ proxy/√c (α = 0), the ideal is 1.",
         "",
-        "| batch | informative rows | Pearson \\|A\\| vs G (all rows) | Pearson (A≠0 rows) | Spearman (A≠0) | "
-        "J(p*)/J(u) true G | J(p*)/J(u) proxy |",
-        "|---|---|---|---|---|---|---|",
+        "| loss type | informative rows | best γ (length / +logp) | proxy | Pearson (all rows) | Pearson (A≠0) | "
+        "Spearman (A≠0) | J(p)/J(p*) | J(p)/J(p*), α=0.1 | J(p)/J(u) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for b in res["batches"]:
-        lines.append(
-            f"| {b['batch']} | {b['informative_rows']}/{b['rows']} | {b['pearson_all']:.3f} | "
-            f"{b['pearson_informative']:.3f} | {b['spearman_informative']:.3f} | {b['j_ideal_true']:.3f} | "
-            f"{b['j_ideal_proxy']:.3f} |"
-        )
-    names = list(res["batches"][0]["distributions"])
-    lines += [
-        "",
-        "χ²(r*‖r) = J(p)/J(p*) − 1 against the optimum built from the true G (mean over batches):",
-        "",
-        "| distribution | χ² | J(p)/J(p*) | J(p)/J(uniform) |",
-        "|---|---|---|---|",
-    ]
-    for n in names:
-        vals = [b["distributions"][n] for b in res["batches"]]
-        lines.append(
-            f"| {n} | {np.mean([v['chi2'] for v in vals]):.4f} | {np.mean([v['j_over_j_opt'] for v in vals]):.3f} |"
-            f" {np.mean([v['j_over_j_uniform'] for v in vals]):.3f} |"
-        )
+    for lt in loss_types:
+        bs = [b for b in res["batches"] if b["loss_type"] == lt]
+        info = f"{np.mean([b['informative_rows'] for b in bs]):.0f}/{bs[0]['rows']}"
+        gam = "/".join(f"{np.median([b[k] for b in bs]):g}" for k in ("best_gamma_length", "best_gamma_logp"))
+        for name in bs[0]["proxies"]:
+            v = {k: np.mean([b["proxies"][name][k] for b in bs]) for k in bs[0]["proxies"][name]}
+            lines.append(
+                f"| {lt} | {info} | {gam} | {name} | {v['pearson_all']:.3f} | {v['pearson_informative']:.3f} | "
+                f"{v['spearman_informative']:.3f} | {v['j_over_j_opt']:.3f} | {v['j_over_j_opt_alpha0.1']:.3f} | "
+                f"{v['j_over_j_uniform']:.3f} |"
+            )
     md = "\n".join(lines)
     with open(base + ".md", "w", encoding="utf-8") as fh:
         fh.write(md + "\n")
@@ -229,20 +288,46 @@ def write_outputs(res: dict, tag: str) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="10 GRPO steps, one generation batch")
+    p.add_argument("--quick", action="store_true", help="dapo only, 10 GRPO steps, one generation batch")
+    p.add_argument("--loss-types", nargs="+", default=None, help="default dapo grpo dr_grpo (quick: dapo)")
     p.add_argument("--mid-steps", type=int, default=None, help="GRPO steps before measuring (default 40; quick 10)")
     p.add_argument("--batches", type=int, default=None, help="generation batches measured (default 3; quick 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default=None, help="results file suffix (default: quick or full)")
     p.add_argument("--out", default=None)
+    p.add_argument("--replot", action="store_true", help="rewrite the .md/.png from the saved .json/.csv")
     args = p.parse_args(argv)
-    tag = "quick" if args.quick else "full"
+    tag = args.tag or ("quick" if args.quick else "full")
+    if args.replot:
+        base = os.path.join(common.RESULTS, f"proxy_fidelity_{tag}")
+        with open(base + ".json", encoding="utf-8") as fh:
+            res = json.load(fh)
+        with open(base + ".csv", encoding="utf-8") as fh:
+            text = ("loss_type", "token_u")
+            res["rows"] = [{k: (v if k in text else float(v)) for k, v in r.items()} for r in csv.DictReader(fh)]
+        print(write_outputs(res, tag))
+        return
+    args.loss_types = args.loss_types or (["dapo"] if args.quick else ["dapo", "grpo", "dr_grpo"])
     args.mid_steps = args.mid_steps if args.mid_steps is not None else (10 if args.quick else 40)
     args.batches = args.batches or (1 if args.quick else 3)
     args.out = args.out or os.path.join(common.ROOT, "outputs", "bench", f"proxy_fidelity_{tag}")
     for k, v in common.ENV.items():
         os.environ.setdefault(k, v)
     os.makedirs(common.RESULTS, exist_ok=True)
-    res = measure(args)
+    batches, rows = [], []
+    for lt in args.loss_types:
+        b, r = measure_loss_type(args, lt)
+        batches += b
+        rows += r
+    res = {
+        "task": "old embedded task (sums of 1-6 digits, 16x16 rollouts, lr 1e-4)",
+        "mid_steps": args.mid_steps,
+        "seed": args.seed,
+        "loss_types": args.loss_types,
+        "batches_per_loss_type": args.batches,
+        "batches": batches,
+        "rows": rows,
+    }
     print(write_outputs(res, tag))
 
 
