@@ -19,8 +19,8 @@ least 1 − π(y_it); confident tokens carry little gradient). The proxy is
     G_i = |A_i| · h_i,     h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i ,     u_it = 1 without log-probabilities,
 
 so without log-probabilities h_i = L_i^γ (token-sum types) or L_i^(γ−1) (row-mean types). γ = 3/4 is the
-default, chosen from the measurement in BENCHMARKS.md §2 (proxy fidelity: the in-sample best γ lay between 0.4 and
-0.9 for dapo, grpo and dr_grpo, and γ = 3/4 was within 0.04 of the best cost factor for each). Rows with A_i = 0 or no loss
+default, from the measurement in BENCHMARKS.md §2 (proxy fidelity: among γ ∈ {1/2, 3/4, 1} it gave the best cost
+factor J(p)/J(p*) of the length-only proxy for dapo, grpo and dr_grpo). Rows with A_i = 0 or no loss
 tokens get G_i = 0: they carry no policy gradient. Nothing here returns NaN or infinity for finite-or-NaN input.
 """
 
