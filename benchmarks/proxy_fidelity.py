@@ -280,10 +280,77 @@ def write_outputs(res: dict, tag: str) -> str:
                 f"{v['spearman_informative']:.3f} | {v['j_over_j_opt']:.3f} | {v['j_over_j_opt_alpha0.1']:.3f} | "
                 f"{v['j_over_j_uniform']:.3f} |"
             )
+    res["budget"] = budget_fidelity(res)
+    lines += budget_lines(res["budget"])
+    with open(base + ".json", "w", encoding="utf-8") as fh:
+        json.dump({k: v for k, v in res.items() if k != "rows"}, fh, indent=1)
     md = "\n".join(lines)
     with open(base + ".md", "w", encoding="utf-8") as fh:
         fh.write(md + "\n")
     return md
+
+
+BUDGET_DELTAS = (0.25, 0.5, 1.0)
+
+
+def budget_fidelity(res: dict) -> list[dict]:
+    """Per loss type and batch: the m the adaptive budget keeps (`budget.smallest_budget`, δ in `BUDGET_DELTAS`,
+    p ∝ proxy/√c with α = 0.1) from the proxy's G, the inflation it predicts, and the inflation the true G_i give
+    for the same p and m; and the same two inflations for the fixed fraction 0.5."""
+    import torch
+
+    from trl_costaware.budget import smallest_budget, variance_inflation
+    from trl_costaware.proxy import DEFAULT_GAMMA, length_exponent
+    from trl_costaware.sampling import sampling_distribution
+
+    out = []
+    for lt in res["loss_types"]:
+        for b in sorted({r["batch"] for r in res["rows"] if r["loss_type"] == lt}):
+            rr = [r for r in res["rows"] if r["loss_type"] == lt and r["batch"] == b]
+            a, g, c, L = (
+                torch.tensor([float(r[k]) for r in rr], dtype=torch.float64)
+                for k in ("abs_advantage", "grad_norm", "cost", "completion_tokens")
+            )
+            e = length_exponent(lt, DEFAULT_GAMMA)
+            for name, proxy in (("advantage", a), ("loss_aware", a * torch.where(L > 0, L, 1.0) ** e * (L > 0))):
+                p = sampling_distribution(proxy / c.sqrt(), 0.1)
+                n = len(a)
+                row = {"loss_type": lt, "batch": b, "proxy": name, "rows": n}
+                for delta in BUDGET_DELTAS:
+                    m, predicted = smallest_budget(proxy, p, delta)
+                    row[f"delta={delta:g}"] = {"m": m, "predicted": predicted, "true": variance_inflation(g, p, m)}
+                half = n // 2
+                row["fixed 0.5"] = {
+                    "m": half,
+                    "predicted": variance_inflation(proxy, p, half),
+                    "true": variance_inflation(g, p, half),
+                }
+                out.append(row)
+    return out
+
+
+def budget_lines(rows: list[dict]) -> list[str]:
+    import numpy as np
+
+    keys = [f"delta={d:g}" for d in BUDGET_DELTAS] + ["fixed 0.5"]
+    lines = [
+        "",
+        "Adaptive budget (`budget.smallest_budget`, p ∝ proxy/√c, α = 0.1): kept fraction m/N, the inflation I(m) the "
+        "proxy predicts, and I(m) with the true G_i for the same p and m (means over batches):",
+        "",
+        "| loss type | proxy | " + " | ".join(f"{k}: m/N, I pred, I true" for k in keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
+    for lt in dict.fromkeys(r["loss_type"] for r in rows):
+        for name in dict.fromkeys(r["proxy"] for r in rows):
+            rr = [r for r in rows if r["loss_type"] == lt and r["proxy"] == name]
+            cells = []
+            for k in keys:
+                frac = np.mean([r[k]["m"] / r["rows"] for r in rr])
+                pred, true = np.mean([r[k]["predicted"] for r in rr]), np.mean([r[k]["true"] for r in rr])
+                cells.append(f"{frac:.2f}, {pred:.2f}, {true:.2f}")
+            lines.append(f"| {lt} | {name} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv=None):
