@@ -2,9 +2,13 @@
 
     python benchmarks/proxy_fidelity.py --quick     # dapo only, 10 GRPO steps, 1 generation batch of 256 rows
     python benchmarks/proxy_fidelity.py             # dapo, grpo, dr_grpo: 40 GRPO steps each, 3 batches each
+    python benchmarks/proxy_fidelity.py --task testbed --mid-steps 25   # the same on the learning testbed
+
+`--task old` (default) is the original embedded task (sums of 1-6 digits, 16 x 16 rollouts at lr 1e-4, pinned here);
+`--task testbed` uses the recipe, data and warm-up of `trl_costaware.embedded.testbed`.
 
 For each loss type, GRPO (the benchmark recipe with that loss type, beta=0) trains the warmed-up tiny model for
-`--mid-steps` steps; then, for each of `--batches` fresh generation batches (16 prompts x 16 rollouts), every row's own
+`--mid-steps` steps; then, for each of `--batches` fresh generation batches (of the task's size), every row's own
 policy-loss term (TRL's `_compute_loss` on that row alone, the full batch's normaliser kept) is back-propagated
 separately, and G_i is the norm of its gradient over all parameters. The sampled tokens' probabilities under the
 sampling policy (a no-grad forward; vLLM returns them with the rollout) are recorded too.
@@ -54,6 +58,29 @@ OLD_TASK_SETTINGS = dict(
     warmup_steps=0,
 )
 GAMMAS = (0.5, 0.75, 1.0)
+TASKS = ("old", "testbed")
+
+
+def task_setup(task: str) -> tuple[dict, dict, str]:
+    """(GRPO settings, `arithmetic_dataset` keyword arguments, warmed-up model path) of a task.
+
+    "old": the original embedded task (1-6 terms, the 500-step clean SFT warm-up, 16 x 16 rollouts at lr 1e-4);
+    "testbed": the learning testbed of `trl_costaware.embedded.testbed` (its recipe, data and warm-up defaults)."""
+    import inspect
+
+    from trl_costaware.embedded import warmed_up_model_path
+
+    if task == "old":
+        legacy = "recipe" in inspect.signature(warmed_up_model_path).parameters  # the testbed keeps it as "sums6"
+        model = warmed_up_model_path(recipe="sums6") if legacy else warmed_up_model_path()
+        return OLD_TASK_SETTINGS, {"max_terms": 6}, model
+    if task == "testbed":
+        from trl_costaware.embedded.testbed import GRPO_RECIPE
+
+        return {**GRPO_RECIPE, "warmup_steps": 0, "disable_tqdm": True}, {}, warmed_up_model_path()
+    raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+
+
 GAMMA_GRID = tuple(round(0.125 * k, 3) for k in range(1, 17))  # 0.125 ... 2
 
 
@@ -122,11 +149,12 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware.batching import select_rows
-    from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward, warmed_up_model_path
+    from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward
     from trl_costaware.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution, sequence_costs
 
     torch.manual_seed(args.seed)
-    s = {**OLD_TASK_SETTINGS, "loss_type": loss_type}
+    settings, data_kwargs, model_path = task_setup(args.task)
+    s = {**settings, "loss_type": loss_type}
     prompts_per_step = s["per_device_train_batch_size"] // s["num_generations"]
     config = CostAwareGRPOConfig(
         output_dir=os.path.join(args.out, loss_type),
@@ -135,8 +163,8 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
         cost_aware=False,
         **s,
     )
-    dataset = arithmetic_dataset(max(args.mid_steps, 1) * prompts_per_step + 64, seed=args.seed)
-    trainer = CostAwareGRPOTrainer(warmed_up_model_path(), [arithmetic_reward], args=config, train_dataset=dataset)
+    dataset = arithmetic_dataset(max(args.mid_steps, 1) * prompts_per_step + 64, seed=args.seed, **data_kwargs)
+    trainer = CostAwareGRPOTrainer(model_path, [arithmetic_reward], args=config, train_dataset=dataset)
     t0 = time.perf_counter()
     if args.mid_steps > 0:
         trainer.train()
@@ -146,7 +174,7 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
     if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by Trainer.train(); needed by the losses
         trainer.current_gradient_accumulation_steps = s.get("gradient_accumulation_steps", 1)
     params = [p for p in model.parameters() if p.requires_grad]
-    held = arithmetic_dataset(args.batches * prompts_per_step, seed=10_000 + args.seed)
+    held = arithmetic_dataset(args.batches * prompts_per_step, seed=10_000 + args.seed, **data_kwargs)
     rows, batches = [], []
     for b in range(args.batches):
         prompts = [held[i] for i in range(b * prompts_per_step, (b + 1) * prompts_per_step)]
@@ -261,7 +289,8 @@ def write_outputs(res: dict, tag: str) -> str:
     fig.savefig(base + ".png")
 
     lines = [
-        f"After {res['mid_steps']} GRPO steps per loss type (seed {res['seed']}); {res['batches_per_loss_type']} "
+        f"Task: {res.get('task', 'old')}. After {res['mid_steps']} GRPO steps per loss type (seed {res['seed']}); "
+        f"{res['batches_per_loss_type']} "
         f"generation batch(es) of {res['batches'][0]['rows']} rows per loss type. Means over batches; J(p)/J(p*) for "
         "sampling ∝ proxy/√c (α = 0), the ideal is 1.",
         "",
@@ -360,11 +389,12 @@ def main(argv=None):
     p.add_argument("--mid-steps", type=int, default=None, help="GRPO steps before measuring (default 40; quick 10)")
     p.add_argument("--batches", type=int, default=None, help="generation batches measured (default 3; quick 1)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--task", choices=TASKS, default="old", help="old embedded task (default) or the testbed")
     p.add_argument("--tag", default=None, help="results file suffix (default: quick or full)")
     p.add_argument("--out", default=None)
     p.add_argument("--replot", action="store_true", help="rewrite the .md/.png from the saved .json/.csv")
     args = p.parse_args(argv)
-    tag = args.tag or ("quick" if args.quick else "full")
+    tag = args.tag or ("quick" if args.quick else "full") + ("" if args.task == "old" else f"_{args.task}")
     if args.replot:
         base = os.path.join(common.RESULTS, f"proxy_fidelity_{tag}")
         with open(base + ".json", encoding="utf-8") as fh:
@@ -387,7 +417,7 @@ def main(argv=None):
         batches += b
         rows += r
     res = {
-        "task": "old embedded task (sums of 1-6 digits, 16x16 rollouts, lr 1e-4)",
+        "task": args.task,
         "mid_steps": args.mid_steps,
         "seed": args.seed,
         "loss_types": args.loss_types,
