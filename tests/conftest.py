@@ -78,3 +78,6 @@ def finished_wandb_run():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (`make test-gpu`)")
+    config.addinivalue_line(
+        "markers", "mc_full: Monte Carlo matrix at full K (~30 min on one core); `make test-all` only, not `make test`"
+    )

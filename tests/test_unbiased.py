@@ -1,0 +1,299 @@
+"""Monte Carlo check that the cost-aware gradient is an unbiased estimate of GRPOTrainer's full-batch gradient.
+
+One fixed generation batch of the warmed-up model (varied completion lengths: short problems end early, long ones run
+to the cap). Target g: TRL's own loss on the whole generation batch as one micro-batch, differentiated. Estimate: the
+trainer's real pipeline (draw, weights, TRL's shuffle and split into micro-batches, trimming, deferred log-prob
+passes, TRL's `_compute_loss` on each micro-batch), gradients summed over the micro-steps of one optimizer step.
+
+Statistic: the projection t_k = ⟨ĝ_k, g⟩/‖g‖² of draw k's gradient on the target; E[t] = 1 for an unbiased estimator.
+The test passes when |mean(t) − 1| < 4·SE. A relative bias b along g shifts mean(t) by b; it is detected with
+probability ≥ 90% when b ≥ (4 + 1.28)·SE, so K is chosen per case from the measured spread of t so that
+SE ≤ 0.05/5.28 (a 5% bias) for the full matrix (`mc_full`, `make test-all`) and SE ≤ 0.10/5.28 (a 10% bias) in
+`make test`. Negative controls use the same draws and statistic and must fail: the target scaled by ±5% (full
+matrix), the dapo factor w instead of w·N/m, bnpo given grpo's factor, and every weight forced to 1.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+from trl import GRPOTrainer
+
+from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware import trainer as trainer_module
+from trl_costaware.embedded.arithmetic import arithmetic_dataset
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+LOSS_SETTINGS = {"luspo": {"importance_sampling_level": "sequence"}}
+BOUND = 4.0  # standard errors
+POWER_Z = 1.2816  # one-sided 90% quantile of the normal: detect a bias b when b ≥ (BOUND + POWER_Z)·SE
+PILOT = 48  # draws used to size K from the spread of t
+
+
+def length_reward(completions, **kwargs):
+    """Reward with within-group variance: completion length mod 4."""
+    return [float(len(c) % 4) for c in completions]
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return arithmetic_dataset(64, seed=3)
+
+
+def make_trainer(model_path, dataset, tmp_path, *, loss_type="grpo", micro=1, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=16 // micro,
+        steps_per_generation=micro,
+        gradient_accumulation_steps=micro,
+        num_generations=4,
+        max_completion_length=16,
+        max_steps=1,
+        save_strategy="no",
+        bf16=False,
+        seed=0,
+        loss_type=loss_type,
+        cost_aware_kept_fraction=0.5,
+        cost_aware_smoothing=0.2,
+        **LOSS_SETTINGS.get(loss_type, {}),
+    )
+    kwargs.update(overrides)
+    trainer = CostAwareGRPOTrainer(
+        model_path, [length_reward], args=CostAwareGRPOConfig(**kwargs), train_dataset=dataset
+    )
+    trainer.model.train()
+    return trainer
+
+
+def _flat_grad(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
+
+
+@dataclass
+class Case:
+    trainer: CostAwareGRPOTrainer
+    raw: list
+    full: dict
+    target: torch.Tensor  # g, the full-batch gradient (or a scaled one, for a control)
+    rows: torch.Tensor  # a_i = ⟨h_i, g⟩/‖g‖², h_i row i's share of the true full-batch gradient (Σ_i h_i = g_true)
+
+
+def _full_batch_grad(trainer, batch) -> torch.Tensor:
+    """TRL's own loss on the whole generation batch as one micro-batch (no accumulation), differentiated."""
+    args = trainer.args
+    spg = args.steps_per_generation
+    args.steps_per_generation, trainer.current_gradient_accumulation_steps = 1, 1
+    try:
+        trainer.model.zero_grad()
+        GRPOTrainer._compute_loss(trainer, trainer.model, batch).backward()
+        return _flat_grad(trainer.model)
+    finally:
+        args.steps_per_generation = spg
+        trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
+
+
+def fixed_case(trainer, dataset, monkeypatch, target_scale: float = 1.0) -> Case:
+    """Generate and score one batch with TRL, freeze it (every later generation returns a clone), compute the target g
+    and each row's share of it (the gradient with every other row's advantage set to 0: the policy term is linear in
+    the advantages at the first micro-step, and the KL term has zero gradient while the policy equals the
+    reference)."""
+    raw = [dataset[i] for i in range(16)]
+    full = GRPOTrainer._generate_and_score_completions(trainer, raw)
+    assert full["advantages"].abs().sum() > 0
+    lengths = full["completion_mask"].sum(-1)
+    assert lengths.min() < lengths.max(), "completion lengths must vary"
+
+    def frozen(_self=None, _inputs=None):
+        return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) for k, v in full.items()}
+
+    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", frozen)
+    batch = frozen()
+    if trainer.beta != 0.0:
+        ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+        mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1)
+        with torch.no_grad():
+            batch["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+                trainer.ref_model, ids, mask, batch["completion_ids"].size(1)
+            )[0]
+    g_true = _full_batch_grad(trainer, batch)
+    shares = []
+    for i in range(len(lengths)):
+        one = dict(batch, advantages=batch["advantages"] * (torch.arange(len(lengths)) == i))
+        shares.append(_full_batch_grad(trainer, one))
+    shares = torch.stack(shares)
+    torch.testing.assert_close(shares.sum(0), g_true, rtol=1e-4, atol=1e-7)
+    g = g_true * target_scale
+    return Case(trainer, raw, full, g, shares @ g / (g @ g))
+
+
+def projections(case: Case, draws: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `draws` runs of the whole pipeline: t_k = ⟨ĝ_k, g⟩/‖g‖², ĝ_k the gradient summed over the micro-steps of
+    one optimizer step, and the control variate c_k = Σ_{i drawn} a_i/π_i (Horvitz–Thompson; Σ_draws a_i/(m p_i) for
+    multinomial draws) from the design the sampler reported, whose mean Σ_i a_i is known exactly. A correct trainer
+    makes t_k − c_k ≈ 0 draw by draw; a wrong factor or normaliser shifts it by the relative bias."""
+    trainer, g = case.trainer, case.target
+    micro = trainer.args.gradient_accumulation_steps
+    t = torch.empty(draws, dtype=torch.float64)
+    c = torch.empty(draws, dtype=torch.float64)
+    seen = []
+    original = trainer_module.draw_rows
+
+    def recorded(p, m, scheme, *args, **kwargs):
+        out = original(p, m, scheme, *args, **kwargs)
+        seen.append((out, scheme))
+        return out
+
+    trainer_module.draw_rows = recorded
+    try:
+        for k in range(draws):
+            trainer._buffered_inputs = None
+            trainer._step = 0
+            trainer.model.zero_grad()
+            for _ in range(micro):
+                inputs = trainer._prepare_inputs(case.raw)
+                trainer._compute_loss(trainer.model, inputs).backward()
+                trainer._step += 1
+            t[k] = _flat_grad(trainer.model) @ g / (g @ g)
+            draw, scheme = seen.pop()
+            a, probs, idx = case.rows, draw.probabilities.double(), draw.indices
+            c[k] = (a[idx] / probs[idx]).sum() / (len(idx) if scheme == "multinomial" else 1.0)
+    finally:
+        trainer_module.draw_rows = original
+    return t, c
+
+
+@dataclass
+class Result:
+    mean: float  # of d_k = t_k − c_k + Σ a_i: E[d] = E[t], the relative size of E[ĝ] along g
+    se: float
+    plain_mean: float  # of t alone
+    plain_se: float
+    draws: int
+
+    def biased(self, tolerance: float) -> bool:
+        """|mean − 1| beyond BOUND standard errors and beyond `tolerance` (floating-point differences between the
+        trimmed micro-batches and the full batch are ~1e-6; the control variate can make the SE that small)."""
+        return abs(self.mean - 1.0) > max(BOUND * self.se, tolerance)
+
+
+def run_case(case: Case, draws: int) -> Result:
+    t, c = projections(case, draws)
+    d = t - c + float(case.rows.sum())
+    root = math.sqrt(draws)
+    return Result(float(d.mean()), float(d.std() / root), float(t.mean()), float(t.std() / root), draws)
+
+
+def draws_for(sd: float, detectable: float) -> int:
+    """K such that (BOUND + POWER_Z)·SE ≤ detectable with SE = sd/√K."""
+    return math.ceil((sd * (BOUND + POWER_Z) / detectable) ** 2)
+
+
+# ---------------------------------------------------------------- the matrix (make test: control-variate statistic)
+TOLERANCE = 0.01  # relative; a 5% bias is five times this
+CHEAP_DRAWS = 32
+OPTIONS = {
+    "truncation_mask": dict(mask_truncated_completions=True, max_completion_length=12),
+    "beta": dict(beta=0.05),
+    "num_iterations_2": dict(num_iterations=2),
+    "multinomial": dict(cost_aware_draw="multinomial"),
+    "group_by_length_pad8": dict(cost_aware_group_by_length=True, pad_to_multiple_of=8),
+    "kept_0.9_capped": dict(cost_aware_kept_fraction=0.9),
+    "token_budget": dict(cost_aware_token_budget=150),
+}
+MATRIX = [pytest.param(lt, micro, {}, id=f"{lt}-micro{micro}") for lt in LOSS_TYPES for micro in (1, 2)] + [
+    pytest.param(lt, 2, opts, id=f"{lt}-micro2-{name}")
+    for name, opts in OPTIONS.items()
+    for lt in (("grpo", "dapo", "bnpo") if name in ("truncation_mask", "beta") else ("grpo",))
+]
+
+
+def _detects_5_percent(r: Result) -> bool:
+    """A 5% relative bias would be flagged with probability ≥ 90%: 0.05 − z₉₀·SE clears both thresholds."""
+    return 0.05 - POWER_Z * r.se >= max(BOUND * r.se, TOLERANCE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("loss_type", "micro", "options"), MATRIX)
+def test_unbiased_matrix(warm_model_path, dataset, tmp_path, monkeypatch, loss_type, micro, options):
+    trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=micro, **options)
+    case = fixed_case(trainer, dataset, monkeypatch)
+    if "mask_truncated_completions" in options:  # some rows are truncated, their loss mask is empty
+        assert (case.full["completion_mask"].sum(-1) == 0).any()
+    r = run_case(case, CHEAP_DRAWS)
+    assert _detects_5_percent(r), r
+    assert not r.biased(TOLERANCE), r
+
+
+def _patched_constants(monkeypatch, **values):
+    for name, value in values.items():
+        monkeypatch.setattr(trainer_module, name, value)
+
+
+CONTROLS = {
+    "target_plus_5pct": ("grpo", 1.05, {}),
+    "target_minus_5pct": ("grpo", 0.95, {}),
+    "dapo_factor_w": ("dapo", 1.0, {"TOKEN_SUM_LOSSES": ()}),  # w instead of w·N/m
+    "bnpo_as_grpo": ("bnpo", 1.0, {"MICRO_TOKEN_MEAN_LOSSES": ()}),  # no N/m, TRL's own micro-batch token count
+    "weights_one": ("grpo", 1.0, "ones"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("control", list(CONTROLS))
+@pytest.mark.parametrize("micro", [1, 2])
+def test_matrix_controls_fail(warm_model_path, dataset, tmp_path, monkeypatch, control, micro):
+    """Each deliberately wrong estimator (or target) is flagged by the same statistic and thresholds."""
+    loss_type, scale, patch = CONTROLS[control]
+    trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=micro)
+    if patch == "ones":
+        original = trainer._draw_kept_rows
+
+        def unweighted(batch):
+            idx, factors = original(batch)
+            return idx, torch.ones_like(factors)
+
+        monkeypatch.setattr(trainer, "_draw_kept_rows", unweighted)
+    else:
+        _patched_constants(monkeypatch, **patch)
+    case = fixed_case(trainer, dataset, monkeypatch, target_scale=scale)
+    # bnpo given grpo's factor is a ratio bias that varies draw by draw (~4–7% here): d has a real spread, more draws.
+    r = run_case(case, 512 if control == "bnpo_as_grpo" else CHEAP_DRAWS)
+    assert r.biased(TOLERANCE), r
+
+
+@pytest.mark.slow
+def test_plain_statistic_sees_the_draw(warm_model_path, dataset, tmp_path, monkeypatch):
+    """The control variate trusts the sampler's reported design; the plain projection t does not. Here K is sized so a
+    10% bias of the whole pipeline (draw included) is detected with ≥ 90% probability (`mc_full` sizes it for 5%)."""
+    trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type="grpo", micro=2)
+    case = fixed_case(trainer, dataset, monkeypatch)
+    pilot = run_case(case, 64)
+    k = draws_for(pilot.plain_se * math.sqrt(64) * 1.2, 0.10)
+    r = run_case(case, k)
+    assert abs(r.plain_mean - 1.0) < BOUND * r.plain_se, r
+    assert (BOUND + POWER_Z) * r.plain_se <= 0.10, r
+
+
+# ---------------------------------------------------------------- the matrix at full K (make test-all)
+@pytest.mark.mc_full
+@pytest.mark.parametrize(("loss_type", "micro", "options"), MATRIX)
+def test_unbiased_matrix_full(warm_model_path, dataset, tmp_path, monkeypatch, loss_type, micro, options):
+    """The plain projection t, K sized from a pilot so that a 5% relative bias of the whole pipeline is detected with
+    ≥ 90% probability; the same draws against the target scaled by ±5% must be flagged."""
+    trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=micro, **options)
+    case = fixed_case(trainer, dataset, monkeypatch)
+    t, _ = projections(case, 64)
+    k = draws_for(float(t.std()) * 1.2, 0.05)
+    if k > 64:
+        t = torch.cat([t, projections(case, k - 64)[0]])
+    mean, se = float(t.mean()), float(t.std() / math.sqrt(len(t)))
+    assert (BOUND + POWER_Z) * se <= 0.05, (mean, se, len(t))
+    assert abs(mean - 1.0) < BOUND * se, (mean, se, len(t))
+    for scale in (1.05, 0.95):  # ⟨ĝ, s·g⟩/‖s·g‖² = t/s
+        assert abs(mean / scale - 1.0) >= BOUND * se / scale, (scale, mean, se)
