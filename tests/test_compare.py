@@ -232,7 +232,7 @@ class StandInRun:
     def __init__(self, run_id, name, cost_aware, rewards, scale, group="g"):
         self.id, self.name, self.group, self.tags = run_id, name, group, ["x"]
         self.job_type = "cost_aware" if cost_aware else "baseline"
-        self.config = {"cost_aware": cost_aware, "seed": 3, "_wandb": {"internal": 1}}
+        self.config = {"cost_aware": cost_aware, "seed": 3, "_wandb": {"internal": 1}, "_name_or_path": "m"}
         self.history = [{"_step": 0, "_runtime": 1.0, "train/global_step": 0, "train/learning_rate": 1e-6}]
         for i, r in enumerate(rewards, 1):
             self.history.append(
@@ -282,12 +282,12 @@ def test_wandb_online_group_and_run(monkeypatch, tmp_path, capsys):
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setattr(wandb, "Api", StandInApi)
     StandInApi.calls.clear()
-    runs = load_runs(["https://wandb.ai/ent/proj/groups/g"], progress=False)
+    runs = load_runs(["https://wandb.ai/ent/proj/groups/g/workspace?nw=1"], progress=False)
     assert ("runs", "ent/proj", {"group": "g"}) in StandInApi.calls
     assert [r.name for r in runs] == ["wb-base", "wb-ca"] and [r.kind for r in runs] == ["wandb-online"] * 2
     base = runs[0]
     assert base.info["arm"] == "baseline" and base.info["seed"] == 3 and base.info["group"] == "g"
-    assert "_wandb" not in base.info["config"] and base.source == "ent/proj/b1"
+    assert "_wandb" not in base.info["config"] and base.source == "ent/proj/b1" and base.info["model"] == "m"
     assert base.rows[1] == {"_step": 1, "step": 1, "wall_time": 1.0, "reward": 0.1, "cost_aware/policy_tokens": 100}
     assert base.rows[-1] == {"_step": 99}  # None, text and booleans are not metrics
     rc = main(["ent/proj/groups/g", "--smooth", "0", "--no-plot", "--json", str(tmp_path / "r.json")])
@@ -297,7 +297,7 @@ def test_wandb_online_group_and_run(monkeypatch, tmp_path, capsys):
     ca = next(a for a in result["arms"] if a["arm"] == "cost_aware")
     # baseline peak 0.7 at 400 tokens; the cost-aware run reaches 0.7 at 200 tokens
     assert ca["targets"][0]["x"] == pytest.approx(200) and ca["targets"][0]["saving_pct"] == pytest.approx(50)
-    single = load_runs(["ent/proj/runs/c1"], progress=False)
+    single = load_runs(["https://wandb.ai/ent/proj/runs/c1/overview"], progress=False)
     assert ("run", "ent/proj/c1") in StandInApi.calls and single[0].info["arm"] == "cost_aware"
     assert main(["ent/proj/nope", "--no-plot"]) == 2
     assert (

@@ -105,10 +105,11 @@ def read_local_run(path: str) -> RunHistory:
 
 
 # ---------------------------------------------------------------------------------------------------- W&B online
-_HOST = r"^(?:https?://[^/]+/)?"
+_HOST = r"^(?:https?://[^/]+/)?([^/\s]+)/([^/\s]+)/"
 _TAIL = r"/?(?:[?#].*)?$"
-_RUN_PATH = re.compile(_HOST + r"([^/\s]+)/([^/\s]+)/(?:runs/)?([^/\s?#]+)" + _TAIL)
-_GROUP_PATH = re.compile(_HOST + r"([^/\s]+)/([^/\s]+)/groups/([^/\s?#]+)" + _TAIL)
+_PAGE = r"(?:/(?:workspace|overview|logs|files|table|charts))?"  # a run's or group's page in the W&B app
+_RUN_PATH = re.compile(_HOST + r"(?:runs/)?([^/\s?#]+)" + _PAGE + _TAIL)
+_GROUP_PATH = re.compile(_HOST + r"groups/([^/\s?#]+)" + _PAGE + _TAIL)
 
 
 def looks_like_wandb_path(arg: str) -> bool:
@@ -143,7 +144,8 @@ def _online_history(api_run, entity: str, project: str) -> RunHistory:
         "display_name": api_run.name,
         "tags": list(api_run.tags or []),
     }
-    config = {k: v for k, v in dict(api_run.config).items() if not k.startswith("_")}
+    raw_config = dict(api_run.config)
+    config = {k: v for k, v in raw_config.items() if not k.startswith("_")}
     info = {
         "run_name": api_run.name,
         "group": api_run.group or config.get("cost_aware_run_group"),
@@ -151,7 +153,7 @@ def _online_history(api_run, entity: str, project: str) -> RunHistory:
         "cost_aware": config.get("cost_aware"),
         "loss_type": config.get("loss_type"),
         "kept_fraction": config.get("cost_aware_kept_fraction") if config.get("cost_aware") else 1.0,
-        "model": config.get("_name_or_path"),
+        "model": raw_config.get("_name_or_path"),
         "wandb": run,
         "config": config,
     }
