@@ -57,25 +57,6 @@ def warm_model_path(embedded_cache):
     return warmed_up_model_path(embedded_cache, seed=0)
 
 
-@pytest.fixture
-def finished_wandb_run():
-    """Reads an offline W&B run folder once wandb-core has written its exit record (it finishes the .wandb log
-    asynchronously after `finish()`)."""
-    import time
-
-    from trl_costaware.compare import read_wandb_offline
-
-    def read(folder, timeout=30.0):
-        deadline = time.time() + timeout
-        while True:
-            history = read_wandb_offline(folder)
-            if history.info["finished"] or time.time() > deadline:
-                return history
-            time.sleep(0.05)
-
-    return read
-
-
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (`make test-gpu`)")
     config.addinivalue_line(
