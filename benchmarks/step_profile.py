@@ -2,9 +2,9 @@
 
 Builds a randomly initialised causal LM with real shapes from a config shipped in `benchmarks/configs/`
 (`qwen2.5-0.5b`, `qwen2.5-1.5b`: Qwen2.5's own shapes; `tiny`: for the CPU test), with the package's character
-tokenizer (no download; the model keeps the config's vocabulary size, so the embedding and LM head cost what they
-cost in the real model), and trains it for a few steps on random prompts with a pseudo-random reward, once per arm,
-in one process: GRPO (``cost_aware=False``), Cost-Aware GRPO (unnormalised weights) and Cost-Aware GRPO with
+tokenizer padded with placeholder tokens to the config's vocabulary size (no download; the embedding and LM head cost
+what they cost in the real model), and trains it for a few steps on random prompts with a pseudo-random reward, once
+per arm, in one process: GRPO (``cost_aware=False``), Cost-Aware GRPO (unnormalised weights) and Cost-Aware GRPO with
 recentred weights (``cost_aware_weight_normalization="recenter"``). Generation is Hugging Face ``generate``, or vLLM
 in colocate mode when vLLM is installed and a GPU is there (``--vllm auto``).
 
@@ -86,6 +86,8 @@ def build_model(name: str, dtype, seed: int = 0):
         shape = {k: v for k, v in json.load(fh).items() if not k.startswith("_")}
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = shape["max_position_embeddings"]
+    # One token per id of the model's vocabulary, so that every sampled id decodes (vLLM's detokenizer needs it).
+    tokenizer.add_tokens([f"<t{i}>" for i in range(len(tokenizer), shape["vocab_size"])])
     special = {
         "pad_token_id": tokenizer.pad_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -111,8 +113,8 @@ def random_prompts(n: int, length: int, seed: int = 0) -> list[str]:
 
 
 def hash_reward(completions, completion_ids=None, **kwargs) -> list[float]:
-    """A pseudo-random reward in [0, 1) from each completion's token ids (deterministic, with spread inside a group;
-    the text would not do: most ids of a random model are outside the character tokenizer and decode to "")."""
+    """A pseudo-random reward in [0, 1) from each completion's token ids (deterministic, with spread inside a
+    group)."""
     keys = completion_ids if completion_ids is not None else completions
     return [int(hashlib.sha256(str(list(k)).encode()).hexdigest()[:8], 16) / 2**32 for k in keys]
 

@@ -29,7 +29,7 @@ def test_shipped_configs_have_the_real_shapes(step_profile, name, millions):
         model, tokenizer = step_profile.build_model(name, torch.bfloat16)
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert sum(p.numel() for p in model.parameters()) / 1e6 == pytest.approx(millions, abs=0.1)
-    assert model.config.eos_token_id == tokenizer.eos_token_id and model.config.vocab_size == 151936
+    assert model.config.eos_token_id == tokenizer.eos_token_id and model.config.vocab_size == len(tokenizer) == 151936
 
 
 def test_profiler_times_are_exclusive(step_profile):
@@ -44,7 +44,8 @@ def test_profiler_times_are_exclusive(step_profile):
     outer, inner = summary["policy forward+backward"], summary["old/ref log-probs"]
     assert 0.015 < outer["seconds_per_step"] < 0.045  # the nested 50 ms are not counted twice
     assert 0.045 < inner["seconds_per_step"] < 0.08
-    assert outer["tokens_per_step"] == 10 and inner["tokens_per_second"] == pytest.approx(4 / inner["seconds_per_step"])
+    assert outer["tokens_per_step"] == 10
+    assert inner["tokens_per_second"] == pytest.approx(4 / inner["seconds_per_step"])
     other = summary["other"]["seconds_per_step"]
     assert other == pytest.approx(0.1 - outer["seconds_per_step"] - inner["seconds_per_step"])
     assert inner["peak_memory_gib"] > 0  # RSS on CPU
