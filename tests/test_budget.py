@@ -9,8 +9,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_costaware.budget import budget_over_ranks, cost_trading_budget, smallest_budget, variance_inflation
-from trl_costaware.sampling import draw_multinomial, draw_systematic, sampling_distribution
+from trl_costaware.budget import (
+    budget_over_ranks,
+    cost_trading_budget,
+    inclusion_curve,
+    inflation_curve,
+    smallest_budget,
+    variance_inflation,
+)
+from trl_costaware.sampling import draw_multinomial, draw_systematic, inclusion_probabilities, sampling_distribution
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -95,6 +102,26 @@ def test_predicted_inflation_matches_monte_carlo_with_orthogonal_rows(scheme):
     predicted = variance_inflation(g, p, m, scheme)
     tol = 0.08 if scheme == "multinomial" else 0.15
     assert measured == pytest.approx(predicted, rel=tol)
+
+
+@FAST
+@given(batches())
+def test_inclusion_curve_matches_the_iterative_reference(batch):
+    """The sorted closed form gives `sampling.inclusion_probabilities` for every m, capped rows and p = 0 rows too."""
+    g, _, p = batch
+    for q in (p, sampling_distribution(g, 0.0)):  # α = 0: rows with G = 0 have p = 0
+        ms = torch.arange(1, len(q) + 1)
+        expected = torch.stack([inclusion_probabilities(q, int(m)) for m in ms])
+        torch.testing.assert_close(inclusion_curve(q, ms), expected, rtol=0, atol=1e-9)
+
+
+@FAST
+@given(batches(), st.sampled_from(["systematic", "multinomial"]))
+def test_inflation_curve_matches_pointwise(batch, scheme):
+    g, _, p = batch
+    ms = torch.arange(1, len(g) + 1)
+    expected = torch.tensor([variance_inflation(g, p, int(m), scheme) for m in ms], dtype=torch.float64)
+    torch.testing.assert_close(inflation_curve(g, p, ms, scheme), expected, rtol=1e-9, atol=1e-12)
 
 
 # ---------------------------------------------------------------- the m rule

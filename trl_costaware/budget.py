@@ -42,6 +42,77 @@ def _clean(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x.double(), nan=0.0, posinf=0.0, neginf=0.0)
 
 
+def _left_out(pi: torch.Tensor) -> torch.Tensor:
+    """1 − π, exactly 0 for π within rounding of 1 (π = m/k at m = k is not always 1.0 in floating point)."""
+    return torch.where(pi >= 1.0 - 1e-12, torch.zeros_like(pi), 1.0 - pi)
+
+
+def inclusion_curve(p: torch.Tensor, ms: torch.Tensor) -> torch.Tensor:
+    """`sampling.inclusion_probabilities(p, m)` for every m in `ms` at once, shape (len(ms), N), in O(N log N + K N).
+
+    For rows with p_i > 0, π_i(m) = min(1, λ p_i) with λ solving Σ_i min(1, λ p_i) = m. With p sorted in decreasing
+    order, f(λ) = Σ_i min(1, λ p_i) is piecewise linear with breakpoints λ_r = 1/p_(r); at λ_r the r largest rows are
+    capped and f(λ_r) = r + S_r/p_(r), S_r = Σ_{j>r} p_(j). For m below the next breakpoint, λ = (m − r)/S_r. When m
+    exceeds the number of rows with p_i > 0, those get π_i = 1 and the remaining m − n₊ is spread evenly over the
+    others (as `inclusion_probabilities` does).
+    """
+    p = _clean(p).clamp(min=0.0)
+    n = p.numel()
+    ms = torch.as_tensor(ms, dtype=torch.float64)
+    if bool(((ms <= 0) | (ms > n)).any()):
+        raise ValueError(f"every m must satisfy 0 < m <= N={n}")
+    pos = p > 0
+    n_pos = int(pos.sum())
+    out = torch.zeros(len(ms), n, dtype=torch.float64)
+    if n_pos == 0:
+        return out + (ms / n)[:, None]
+    ps, order = torch.sort(p[pos], descending=True)
+    tail = torch.flip(torch.cumsum(torch.flip(ps, [0]), 0), [0])  # tail[r] = Σ_{j>=r} ps_j (0-based) = S_r
+    r = torch.arange(n_pos, dtype=torch.float64)
+    f_at = r + tail / ps  # f at λ = 1/ps_r, where rows 0..r are capped (row r exactly at 1); non-decreasing in r
+    inside = ms < n_pos
+    capped = torch.searchsorted(f_at, ms[inside], right=True)  # rows capped at m: breakpoints with f ≤ m (< n_pos)
+    lam = (ms[inside] - capped) / tail[capped]
+    pi_pos = (lam[:, None] * ps[None, :]).clamp(max=1.0)
+    full = torch.zeros(int(inside.sum()), n_pos, dtype=torch.float64)
+    full[:, order] = pi_pos
+    idx_pos = pos.nonzero().flatten()
+    block = torch.zeros(int(inside.sum()), n, dtype=torch.float64)
+    block[:, idx_pos] = full
+    out[inside] = block
+    if bool((~inside).any()):
+        rest = ms[~inside]
+        n_zero = n - n_pos
+        fill = torch.zeros(len(rest), n, dtype=torch.float64)
+        fill[:, pos] = 1.0
+        if n_zero:
+            fill[:, ~pos] = ((rest - n_pos) / n_zero)[:, None]
+        out[~inside] = fill
+    return out.clamp(0.0, 1.0)
+
+
+def inflation_curve(g: torch.Tensor, p: torch.Tensor, ms: torch.Tensor, scheme: str = "systematic") -> torch.Tensor:
+    """`variance_inflation(g, p, m, scheme)` for every m in `ms` at once (float64; inf where a row with G > 0 can never
+    be drawn)."""
+    if scheme not in DRAW_SCHEMES:
+        raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
+    ms = torch.as_tensor(ms, dtype=torch.float64)
+    g2 = _clean(g).abs().pow(2)
+    if g2.sum() <= 0:
+        return torch.zeros(len(ms), dtype=torch.float64)
+    g2 = g2 / g2.max()
+    total, pos = g2.sum(), g2 > 0
+    if scheme == "multinomial":
+        p = _clean(p).clamp(min=0.0)
+        p = p / p.sum() if p.sum() > 0 else torch.full_like(p, 1.0 / p.numel())
+        if bool((p[pos] <= 0).any()):
+            return torch.full((len(ms),), math.inf, dtype=torch.float64)
+        return ((g2[pos] / p[pos]).sum() / total - 1.0).clamp(min=0.0) / ms
+    pi = inclusion_curve(p, ms)[:, pos]
+    terms = torch.where(pi > 0, _left_out(pi) / pi.clamp(min=1e-300), torch.full_like(pi, math.inf))
+    return (terms * g2[pos]).sum(-1) / total
+
+
 def variance_inflation(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str = "systematic") -> float:
     """Predicted variance of the m-row importance-weighted estimate over the full batch's own noise, I(m) (module
     docstring). `g`: proxies G_i (N,); `p`: the sampling distribution (N,). All-zero G gives 0; a row with G_i > 0
@@ -68,7 +139,7 @@ def variance_inflation(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str = "
     pi = inclusion_probabilities(p, m)
     if bool((pi[pos] <= 0).any()):
         return math.inf
-    return float(((1.0 - pi[pos]) / pi[pos] * g2[pos]).sum() / total)
+    return float((_left_out(pi[pos]) / pi[pos] * g2[pos]).sum() / total)
 
 
 def smallest_budget(
@@ -124,17 +195,15 @@ def cost_trading_budget(
     if multiple_of <= 0 or n % multiple_of:
         raise ValueError(f"N={n} must be a positive multiple of multiple_of={multiple_of}")
     c = _clean(costs).clamp(min=0.0)
-    best = (math.inf, multiple_of, 0.0)
-    for m in range(multiple_of, n + 1, multiple_of):
-        inflation = variance_inflation(g, p, m, scheme)
-        if scheme == "multinomial":
-            upd = m * float((p.double() / p.double().sum() * c).sum())
-        else:
-            upd = float((inclusion_probabilities(p, m) * c).sum())
-        total = (1.0 + inflation) * (generation_cost + upd)
-        if total < best[0]:
-            best = (total, m, inflation)
-    return best[1], best[2]
+    ms = torch.arange(multiple_of, n + 1, multiple_of, dtype=torch.float64)
+    inflation = inflation_curve(g, p, ms, scheme)
+    if scheme == "multinomial":
+        upd = ms * float((_clean(p) / _clean(p).sum() * c).sum())
+    else:
+        upd = inclusion_curve(p, ms) @ c
+    total = (1.0 + inflation) * (generation_cost + upd)
+    best = int(torch.argmin(total))  # the first minimum: ties go to the smallest m
+    return int(ms[best]), float(inflation[best])
 
 
 def budget_over_ranks(m_per_rank: torch.Tensor) -> int:
