@@ -110,47 +110,6 @@ def _z_score(grads, target):
     return float(err / var)
 
 
-@pytest.mark.parametrize("loss_type", list(LOSS_SETTINGS))
-def test_cost_aware_gradient_is_unbiased(tmp_path, model_path, dataset, loss_type, monkeypatch):
-    """Mean over many draws of the cost-aware gradient (normalisation "none") → full-batch GRPOTrainer gradient."""
-    common = dict(
-        per_device_train_batch_size=16,
-        num_generations=4,
-        loss_type=loss_type,
-        cost_aware_kept_fraction=0.5,
-        cost_aware_smoothing=0.2,
-        **LOSS_SETTINGS[loss_type],
-    )
-    trainer = CostAwareGRPOTrainer(
-        model_path, [length_reward], args=make_args(tmp_path, **common), train_dataset=dataset
-    )
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's training loop, which we bypass here
-    raw_inputs = [dataset[i] for i in range(16)]
-    full = GRPOTrainer._generate_and_score_completions(trainer, raw_inputs)
-    assert full["advantages"].abs().sum() > 0
-    target = _grad(trainer, full).double()
-
-    monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", fixed_batch(full))
-    grads = _mc_gradients(trainer, raw_inputs, 400)
-    z = _z_score(grads, target)
-    rel = [float((grads[:k].mean(0) - target).norm() / target.norm()) for k in (25, 400)]
-    assert z < 6.0, f"{loss_type}: z={z:.2f}, relative errors {rel}"
-    assert rel[1] < rel[0], f"{loss_type}: error does not shrink with draws: {rel}"
-
-    # Negative control: the same draws with every importance factor set to 1 are biased, and the test detects it.
-    if loss_type == "grpo":
-        original = trainer._draw_kept_rows
-
-        def unweighted(batch):
-            idx, factors = original(batch)
-            return idx, torch.ones_like(factors)
-
-        monkeypatch.setattr(trainer, "_draw_kept_rows", unweighted)
-        biased = _mc_gradients(trainer, raw_inputs, 400)
-        assert _z_score(biased, target) > 30.0
-
-
 # ---------------------------------------------------------------- forward accounting
 def test_dropped_rows_never_reach_a_forward(tmp_path, model_path, dataset):
     """After generation, forward passes (old-policy, reference, policy) see only kept rows, trimmed to width."""
@@ -239,20 +198,28 @@ def test_switched_off_equals_grpo_trainer(tmp_path, model_path, dataset):
     assert last_metric(off, "cost_aware/policy_tokens") > 0  # the baseline arm still logs its token counters
 
 
-def test_kept_fraction_one_uniform_matches_grpo_loss(tmp_path, model_path, dataset):
-    """Keeping every row with equal weights reproduces GRPO's first loss (same generation, rows reordered)."""
+def test_kept_fraction_one_matches_grpo_trainer_weights(tmp_path, model_path, dataset):
+    """Keeping every row (weights 1) trains like GRPOTrainer, with a KL term and two iterations over each generation
+    batch: the same final weights (rows are reordered inside the one micro-batch, so float sums differ slightly)."""
+    common = dict(max_steps=2, beta=0.1, num_iterations=2, learning_rate=1e-2)
     base = GRPOTrainer(
-        model_path, [length_reward], args=make_args(tmp_path / "a", cls=GRPOConfig, max_steps=1), train_dataset=dataset
+        model_path, [length_reward], args=make_args(tmp_path / "a", cls=GRPOConfig, **common), train_dataset=dataset
     )
+    start = weights_of(base.model)
     base.train()
     full = CostAwareGRPOTrainer(
         model_path,
         [length_reward],
-        args=make_args(tmp_path / "b", max_steps=1, cost_aware_kept_fraction=1.0, cost_aware_proxy="uniform"),
+        args=make_args(tmp_path / "b", cost_aware_kept_fraction=1.0, **common),
         train_dataset=dataset,
     )
     full.train()
-    assert math.isclose(last_metric(base, "loss"), last_metric(full, "loss"), rel_tol=1e-4, abs_tol=1e-6)
+    moved = (weights_of(base.model) - start).abs().max()
+    assert moved > 1e-3
+    # Adam turns float-summation-order differences into ~1e-5 moves on a few weights; a wrong row weight or a missing
+    # KL/old-log-prob term would move weights by a sizeable fraction of `moved`.
+    torch.testing.assert_close(weights_of(full.model), weights_of(base.model), rtol=0, atol=1e-2 * moved)
+    assert last_metric(full, "cost_aware/kept_row_fraction") == 1.0
 
 
 # ---------------------------------------------------------------- features
@@ -277,7 +244,6 @@ def test_feature_runs(tmp_path, model_path, dataset, overrides):
     before = weights_of(trainer.model)
     trainer.train()
     assert not torch.equal(before, weights_of(trainer.model))
-    assert last_metric(trainer, "cost_aware/count_check") == 0
     ess = last_metric(trainer, "cost_aware/weight_ess")
     m = last_metric(trainer, "cost_aware/kept_row_fraction") * last_metric(trainer, "cost_aware/batch_rows_generated")
     assert 0 < ess <= m + 1e-6  # ESS ≤ number of weights
@@ -285,8 +251,6 @@ def test_feature_runs(tmp_path, model_path, dataset, overrides):
         assert math.isfinite(last_metric(trainer, f"cost_aware/{key}"))
     # Rollout tokens count prompt + completion whatever the sampling cost is made of.
     assert last_metric(trainer, "cost_aware/rollout_tokens") > last_metric(trainer, "cost_aware/generated_tokens")
-    if "cost_aware_token_budget" in overrides:
-        assert last_metric(trainer, "cost_aware/kept_row_fraction") < 1.0
 
 
 def test_lora(tmp_path, model_path, dataset):
@@ -309,8 +273,10 @@ def test_conversational_prompts(tmp_path, model_path):
     trainer = CostAwareGRPOTrainer(
         model_path, [arithmetic_reward, length_reward], args=make_args(tmp_path), train_dataset=ds
     )
+    seen = _record_draws(trainer)
     trainer.train()
-    assert last_metric(trainer, "cost_aware/count_check") == 0
+    for batch, indices, _ in seen:  # 0.5 of 8 rows, at most the informative ones
+        assert len(indices) == min(4, max(1, int((batch["advantages"] != 0).sum())))
 
 
 def test_resume_draws_the_same_rows(tmp_path, model_path, dataset):
@@ -348,8 +314,9 @@ def test_one_token_and_truncated_completions(tmp_path, model_path, dataset, mask
     args = make_args(tmp_path, max_completion_length=1, mask_truncated_completions=mask_truncated)
     trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.train()
-    assert last_metric(trainer, "cost_aware/count_check") == 0
     assert math.isfinite(last_metric(trainer, "loss"))
+    # Every generated token is counted, whether or not a truncation mask hides it from the loss.
+    assert last_metric(trainer, "cost_aware/rollout_tokens") == trainer.state.num_input_tokens_seen
 
 
 # ---------------------------------------------------------------- config errors
@@ -415,3 +382,227 @@ def test_vllm_importance_sampling_path_defers_only_the_reference_pass(tmp_path, 
     assert ref is None
     assert calls == ["computed", "deferred"]
     assert "_get_per_token_logps_and_entropies" not in vars(trainer)  # the method is restored
+
+
+# ---------------------------------------------------------------- TRL's options
+def _record_draws(trainer):
+    """Wrap `_draw_kept_rows`: keep each generation batch (as the sampler saw it) and the drawn indices."""
+    seen = []
+    original = trainer._draw_kept_rows
+
+    def recorded(batch):
+        indices, factors = original(batch)
+        seen.append(({k: v for k, v in batch.items()}, indices.clone(), factors.clone()))
+        return indices, factors
+
+    trainer._draw_kept_rows = recorded
+    return seen
+
+
+@pytest.mark.parametrize("cost_aware", [True, False])
+def test_truncation_mask_rows_never_drawn_and_tokens_counted(tmp_path, model_path, dataset, cost_aware):
+    """mask_truncated_completions=True: rows whose loss mask is empty are never drawn while other rows can carry
+    gradient, and the counters still count every generated token (TRL's own count is the reference)."""
+    args = make_args(
+        tmp_path,
+        max_completion_length=6,
+        mask_truncated_completions=True,
+        max_steps=3,
+        cost_aware=cost_aware,
+        cost_aware_kept_fraction=0.5,
+    )
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    seen = _record_draws(trainer)
+    trainer.train()
+    assert last_metric(trainer, "cost_aware/rollout_tokens") == trainer.state.num_input_tokens_seen
+    if not cost_aware:
+        return
+    truncated = 0
+    for batch, indices, _ in seen:
+        loss_tokens = batch["completion_mask"].sum(-1)
+        truncated += int((loss_tokens == 0).sum())
+        assert (loss_tokens[indices] > 0).all(), (loss_tokens, indices)
+    assert truncated > 0  # the setting did truncate rows
+
+
+def test_no_slot_for_zero_signal_rows(tmp_path, model_path, dataset):
+    """β = 0, no entropy term: rows with A = 0 carry nothing, so they get no probability (smoothing included) and m
+    never exceeds the informative rows (rounded down to a multiple of steps_per_generation). With β > 0 they carry the
+    KL gradient and are drawn."""
+    args = make_args(tmp_path, max_steps=4, cost_aware_kept_fraction=1.0, cost_aware_smoothing=0.5)
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    seen = _record_draws(trainer)
+    trainer.train()
+    some_zero = False
+    for batch, indices, _ in seen:
+        informative = batch["advantages"] != 0
+        some_zero |= bool((~informative).any())
+        assert informative[indices].all()
+        assert len(indices) == max(1, int(informative.sum()))
+    assert some_zero  # the check had zero-advantage rows to avoid
+
+    args = make_args(tmp_path / "kl", max_steps=2, beta=0.1, cost_aware_kept_fraction=1.0)
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    seen = _record_draws(trainer)
+    trainer.train()
+    assert all(len(indices) == len(batch["advantages"]) for batch, indices, _ in seen)
+
+
+@pytest.mark.parametrize("rule", ["fraction", "token_budget"])
+def test_kept_rows_follow_the_configured_rule(tmp_path, model_path, dataset, rule):
+    """m from the fraction (rounded down to steps_per_generation) or from the token budget (budget / E_p[c]), then
+    capped by the informative rows; β > 0 so every row is eligible and the cap does not bind."""
+    from trl_costaware.sampling import sampling_distribution, sampling_scores, sequence_costs
+
+    overrides = dict(steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05)
+    if rule == "fraction":
+        overrides["cost_aware_kept_fraction"] = 0.7  # 0.7 · 16 = 11.2 → 11 → 10 (multiple of 2)
+    else:
+        overrides["cost_aware_token_budget"] = 90  # a few rows of ~20 tokens: far from the default fraction's 8
+    trainer = CostAwareGRPOTrainer(
+        model_path, [length_reward], args=make_args(tmp_path, **overrides), train_dataset=dataset
+    )
+    seen = _record_draws(trainer)
+    trainer.train()
+    assert seen
+    for batch, indices, _ in seen:
+        n = len(batch["advantages"])
+        if rule == "fraction":
+            expected = 10
+        else:
+            costs = sequence_costs(batch["prompt_mask"], batch["completion_mask"])
+            p = sampling_distribution(sampling_scores(batch["advantages"], costs), 0.1)
+            expected = int(90 // float((p * costs.double()).sum()))
+            expected = max(2, min(n, expected) // 2 * 2)
+            assert expected != n // 2, "retune the budget: it gives the default fraction's count"
+        assert len(indices) == expected
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, model_path, dataset, bf16):
+    """num_iterations=1, steps_per_generation = 2 × gradient_accumulation_steps: TRL needs old-policy log-probs, and
+    before the first update they must equal the policy pass's exactly (ratio 1, as in TRL), in bf16 too."""
+    args = make_args(
+        tmp_path, steps_per_generation=4, gradient_accumulation_steps=2, max_steps=1, bf16=bf16, beta=0.05
+    )
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    pairs = []
+    original_loss = trainer._compute_loss
+    original_logps = trainer._get_per_token_logps_and_entropies
+
+    def logps(model, *a, **kw):
+        out = original_logps(model, *a, **kw)
+        if kw.get("compute_entropy"):  # the policy pass
+            pairs[-1]["new"] = out[0].detach()
+        return out
+
+    def loss(model, inputs):
+        pairs.append({"old": inputs["old_per_token_logps"], "ref": inputs["ref_per_token_logps"]})
+        pairs[-1]["mask"] = inputs["completion_mask"].bool()
+        return original_loss(model, inputs)
+
+    trainer._compute_loss, trainer._get_per_token_logps_and_entropies = loss, logps
+    trainer.train()
+    assert len(pairs) == 2  # two micro-steps before the first (and only) optimizer step
+    for pair in pairs:
+        assert torch.equal(pair["old"][pair["mask"]], pair["new"][pair["mask"]])
+        assert torch.equal(pair["ref"][pair["mask"]], pair["new"][pair["mask"]])  # ref = policy before any update
+    if bf16:
+        assert pairs[0]["new"].dtype == torch.float32  # log-probs are float32 from a bf16 autocast forward
+
+
+def test_deferred_logps_match_trls_by_value(tmp_path, model_path, dataset):
+    """The deferred old-policy log-probs of each kept row equal what TRL computes for that row on the full batch."""
+    args = make_args(tmp_path, steps_per_generation=2, gradient_accumulation_steps=1, max_steps=1)
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer.model.train()
+    raw = [dataset[i] for i in range(16)]
+    full = GRPOTrainer._generate_and_score_completions(trainer, raw)
+    assert "old_per_token_logps" in full  # TRL computed them for every row
+    import unittest.mock
+
+    with unittest.mock.patch.object(GRPOTrainer, "_generate_and_score_completions", fixed_batch(full)):
+        trainer._prepare_inputs(raw)
+    key = lambda ids, mask: tuple(ids[mask.bool()].tolist())  # noqa: E731
+    trl_rows = {
+        key(torch.cat([p, c]), torch.cat([pm, cm])): (lp[cm.bool()])
+        for p, c, pm, cm, lp in zip(
+            full["prompt_ids"],
+            full["completion_ids"],
+            full["prompt_mask"],
+            full["completion_mask"],
+            full["old_per_token_logps"],
+            strict=True,
+        )
+    }
+    checked = 0
+    for chunk in trainer._processed_chunks.values():
+        for p, c, pm, cm, lp in zip(
+            chunk["prompt_ids"],
+            chunk["completion_ids"],
+            chunk["prompt_mask"],
+            chunk["completion_mask"],
+            chunk["old_per_token_logps"],
+            strict=True,
+        ):
+            torch.testing.assert_close(lp[cm.bool()], trl_rows[key(torch.cat([p, c]), torch.cat([pm, cm]))])
+            checked += 1
+    assert checked == 8
+
+
+def test_group_by_length_changes_padding_only(tmp_path, model_path, dataset):
+    """Grouping by length must not consume the sampler's randomness: the same rows are drawn with and without it."""
+    draws = {}
+    for grouped in (False, True):
+        args = make_args(
+            tmp_path / str(grouped),
+            steps_per_generation=4,
+            gradient_accumulation_steps=4,
+            max_steps=3,
+            learning_rate=0.0,  # the same model every step, so generation is the same in both runs
+            cost_aware_group_by_length=grouped,
+        )
+        trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+        seen = _record_draws(trainer)
+        trainer.train()
+        draws[grouped] = [idx.tolist() for _, idx, _ in seen]
+    assert len(draws[True]) == 3
+    assert draws[True] == draws[False]
+
+
+def test_pad_to_multiple_of_is_kept(tmp_path, model_path, dataset):
+    args = make_args(tmp_path, pad_to_multiple_of=8, steps_per_generation=2, gradient_accumulation_steps=2)
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    widths = []
+    trainer.model.register_forward_pre_hook(
+        lambda mod, a, kw: widths.append(kw["input_ids"].shape[1]) if "labels" in kw else None, with_kwargs=True
+    )
+    trainer.train()
+    assert widths and all(w % 8 == 0 for w in widths), widths
+
+
+def test_missing_chunk_fails_loudly(tmp_path, model_path, dataset):
+    args = make_args(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer.model.train()
+    raw = [dataset[i] for i in range(8)]
+    trainer._prepare_inputs(raw)
+    trainer._step = 1  # the second micro-step of the same generation batch
+    trainer._processed_chunks.clear()  # as if TRL handed back an object that is not one of its buffered chunks
+    with pytest.raises(RuntimeError, match="not one of the buffered"):
+        trainer._prepare_inputs(raw)
+
+
+@pytest.mark.parametrize("cost_aware", [True, False])
+def test_clipped_step_fraction_is_logged(tmp_path, model_path, dataset, cost_aware):
+    for max_norm, expected in ((1e-8, 1.0), (1e8, 0.0)):
+        args = make_args(tmp_path / str(max_norm), max_grad_norm=max_norm, cost_aware=cost_aware)
+        trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+        trainer.train()
+        assert last_metric(trainer, "cost_aware/grad_clipped") == expected
+
+
+def test_top_entropy_quantile_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="top_entropy_quantile"):
+        make_args(tmp_path, top_entropy_quantile=0.2)
+    make_args(tmp_path, top_entropy_quantile=0.2, cost_aware=False)  # plain GRPO keeps TRL's option

@@ -126,6 +126,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         the kept rows only. With vLLM importance-sampling correction TRL needs the old log-probs of every row at once
         for its ratio, so that pass runs as usual."""
         record = {"calls": [], "generated": None}
+        saved = {k: vars(self)[k] for k in ("_generate", "_get_per_token_logps_and_entropies") if k in vars(self)}
         generate = self._generate
 
         def recorded_generate(*args, **kwargs):
@@ -149,9 +150,10 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             self._get_per_token_logps_and_entropies = deferred
         try:
             yield record
-        finally:
-            del self._generate
-            vars(self).pop("_get_per_token_logps_and_entropies", None)
+        finally:  # back to the class methods, or to whatever instance attributes were there before
+            for name in ("_generate", "_get_per_token_logps_and_entropies"):
+                vars(self).pop(name, None)
+            vars(self).update(saved)
 
     def _generated_lengths(self, batch, recorded) -> torch.Tensor:
         """Generated completion tokens per row (on the batch's device): from `_generate` when it ran, else (a batch
