@@ -313,6 +313,8 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
         save_strategy="no",
         report_to="none",
         bf16=opts.bf16 and cuda,
+        # --bf16: bf16 weights as well (TRL would load them in float32 and train in mixed precision otherwise)
+        model_init_kwargs={"dtype": "bfloat16" if opts.bf16 and cuda else "float32"},
         use_cpu=not cuda,
         disable_tqdm=True,
         gradient_checkpointing=opts.gradient_checkpointing,
@@ -410,7 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch", type=int, default=16, help="rows per policy forward/backward (default 16)")
     p.add_argument("--max-completion-length", type=int, default=256)
     p.add_argument("--prompt-length", type=int, default=128, help="prompt tokens (default 128)")
-    p.add_argument("--bf16", action="store_true", help="bf16 weights and autocast (CUDA)")
+    p.add_argument("--bf16", action="store_true", help="bf16 weights and bf16 mixed precision (CUDA only)")
     p.add_argument("--kept-fraction", type=float, default=0.5, help="cost-aware kept fraction (default 0.5)")
     p.add_argument("--beta", type=float, default=0.0, help="KL coefficient; > 0 adds the reference pass")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, from {', '.join(ARMS)}")
