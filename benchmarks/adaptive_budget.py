@@ -46,28 +46,24 @@ def trainer_supports_auto() -> bool:
 
 
 def auto_budget_trainer(delta: float):
-    """A `CostAwareGRPOTrainer` whose kept fraction is set per generation batch by the δ rule (for trainers that do
-    not have `cost_aware_kept_fraction="auto"` yet; single process). Records (m/N, predicted I) per batch."""
+    """A `CostAwareGRPOTrainer` whose m per generation batch comes from the δ rule (for trainers that do not have
+    `cost_aware_kept_fraction="auto"` yet; single process): it overrides the trainer's `_kept_count(p, rows, eligible,
+    device)` hook, so the budget sees the very distribution p the draw uses, and keeps the trainer's cap at the
+    eligible rows. Logs the predicted inflation per batch as `cost_aware/budget_inflation`."""
     from trl_costaware import CostAwareGRPOTrainer
-    from trl_costaware.budget import smallest_budget
-    from trl_costaware.sampling import gradient_proxy, sampling_distribution, sampling_scores
+    from trl_costaware.budget import smallest_budget, variance_inflation
+    from trl_costaware.sampling import capped_kept_count, gradient_proxy
 
     class AutoBudgetTrainer(CostAwareGRPOTrainer):
-        def _draw_kept_rows(self, batch):
-            args = self.args
-            adv = batch["advantages"].detach().float().cpu()
-            costs = self._row_costs(batch).cpu()
-            p = sampling_distribution(sampling_scores(adv, costs, args.cost_aware_proxy), args.cost_aware_smoothing)
-            m, inflation = smallest_budget(
-                gradient_proxy(adv), p, delta, args.steps_per_generation, args.cost_aware_draw
+        def _kept_count(self, p, rows, eligible, device) -> int:
+            spg = self.args.steps_per_generation
+            g = gradient_proxy(rows["advantages"])
+            m, _ = smallest_budget(g, p, delta, spg, self.args.cost_aware_draw)
+            m = capped_kept_count(m, int(eligible.sum()), spg)
+            self._metrics["train"]["cost_aware/budget_inflation"].append(
+                variance_inflation(g, p, m, self.args.cost_aware_draw)
             )
-            self._metrics["train"]["cost_aware/budget_inflation"].append(inflation)
-            fixed = args.cost_aware_kept_fraction
-            args.cost_aware_kept_fraction = m / len(adv)
-            try:
-                return super()._draw_kept_rows(batch)
-            finally:
-                args.cost_aware_kept_fraction = fixed
+            return m
 
     return AutoBudgetTrainer
 
