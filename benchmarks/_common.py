@@ -1,6 +1,11 @@
 """Shared helpers of the GRPO benchmarks on the embedded default (tiny model, arithmetic task).
 
-One training run is one subprocess (`python benchmarks/_common.py SPEC.json`), so a benchmark can keep both cores busy
+The testbed harness (`run_arm`, `ARMS`): one arm for one seed, in this process, with held-out accuracy along the way
+(`trl_costaware.embedded.testbed.train_run`), its result checkpointed to JSON. The token-efficiency benchmark runs the
+arms of a seed side by side in one process with it; other benchmarks may reuse it (arms are plain data).
+
+The older subprocess runner (`train_one`, `run_many`, used by `overhead.py`): one training run is one subprocess
+(`python benchmarks/_common.py SPEC.json`), so a benchmark can keep both cores busy
 with one single-threaded run each (`OMP_NUM_THREADS=1`; two threads per run were measured ~10x slower on 2 cores).
 Every run writes the trainer's `cost_aware_metrics.jsonl` and `cost_aware_run.json` to its output dir (read by
 `trl_costaware.compare`), plus `bench_result.json`: wall times, per-step timings of the sampler and of the policy
@@ -15,17 +20,15 @@ import subprocess
 import sys
 import time
 
-from trl_costaware.demo import DEMO_SETTINGS
+from trl_costaware.embedded.testbed import DEFAULT_STEPS, EVAL_EVERY, GRPO_RECIPE, HELDOUT_N, train_run
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 RESULT_FILE = "bench_result.json"
 
-# The best GRPO recipe found on the embedded default (see BENCHMARKS.md, "Baseline recipe"): 16 prompts x 16
-# rollouts per step, one optimizer step per generation batch, constant Adam lr 1e-4, no KL.
-# The GRPO recipe the demo uses (one place to change it); benchmarks only silence the progress bars.
-BASE_SETTINGS = {**DEMO_SETTINGS, "warmup_steps": 0, "disable_tqdm": True}
+# The GRPO recipe of the testbed (one place to change it: trl_costaware.embedded.testbed.GRPO_RECIPE).
+BASE_SETTINGS = {**GRPO_RECIPE, "disable_tqdm": True}
 
 ENV = {
     "OMP_NUM_THREADS": "1",
@@ -37,6 +40,92 @@ ENV = {
     "HF_DATASETS_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
 }
+
+
+# ==================================================================================================== testbed arms
+# An arm is plain data: the trainer kind and CostAwareGRPOConfig fields on top of the testbed recipe.
+#   trainer: "grpo" (CostAwareGRPOTrainer, cost_aware=False), "cost_aware", "zero_adv_filter", "max_variance"
+ARMS: dict[str, dict] = {
+    "grpo": {"trainer": "grpo", "settings": {}},
+    "zero_adv_filter": {"trainer": "zero_adv_filter", "settings": {}},
+    "uniform_0.5": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "uniform"}},
+    "pods_0.5": {"trainer": "max_variance", "settings": {"cost_aware_kept_fraction": 0.5}},
+    "cost_aware_0.25": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.25}},
+    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {}},
+    "cost_aware_0.75": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.75}},
+    "cost_aware_0.5_recenter": {"trainer": "cost_aware", "settings": {"cost_aware_weight_normalization": "recenter"}},
+    # View B: GRPO on half the rollouts per step (32 prompts x 16), the policy tokens per step of a kept-0.5 arm.
+    "grpo_half": {"trainer": "grpo", "settings": {"per_device_train_batch_size": 512}},
+}
+
+
+def trainer_for(kind: str):
+    """(trainer class, settings it needs) for an arm's trainer kind."""
+    from trl_costaware import CostAwareGRPOTrainer
+
+    if kind == "grpo":
+        return CostAwareGRPOTrainer, {"cost_aware": False}
+    if kind == "cost_aware":
+        return CostAwareGRPOTrainer, {"cost_aware": True}
+    from baselines import MaxVarianceTrainer, ZeroAdvantageFilterTrainer
+
+    if kind == "zero_adv_filter":
+        return ZeroAdvantageFilterTrainer, {"cost_aware": True}
+    if kind == "max_variance":
+        return MaxVarianceTrainer, {"cost_aware": True}
+    raise ValueError(f"trainer kind must be grpo, cost_aware, zero_adv_filter or max_variance, got {kind!r}")
+
+
+def run_arm(
+    arm: str | dict,
+    seed: int,
+    root: str,
+    *,
+    name: str | None = None,
+    steps: int = DEFAULT_STEPS,
+    eval_every: int = EVAL_EVERY,
+    eval_n: int = HELDOUT_N,
+    progress: bool = False,
+    extra_settings: dict | None = None,
+) -> dict:
+    """Train one arm for one seed in this process; return `train_run`'s dict plus ``arm``, and checkpoint it.
+
+    `arm` is a key of `ARMS` or a dict ``{"trainer": kind, "settings": {...}}`` (then `name` names it);
+    `extra_settings` go on top of the arm's (e.g. a smaller batch for a smoke test). The result is written to
+    ``root/<name>__s<seed>/run_result.json`` and reused when it exists with the same arm, settings and steps."""
+    if isinstance(arm, str):
+        name, spec = name or arm, ARMS[arm]
+    else:
+        if name is None:
+            raise ValueError("run_arm: a dict arm needs a name")
+        spec = arm
+    if extra_settings:
+        spec = {**spec, "settings": {**spec.get("settings", {}), **extra_settings}}
+    out = os.path.join(root, f"{name}__s{seed}")
+    path = os.path.join(out, "run_result.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            cached = json.load(fh)
+        if cached.get("spec") == spec and cached.get("steps") == steps:
+            return cached
+    cls, needed = trainer_for(spec["trainer"])
+    result = train_run(
+        seed=seed,
+        output_dir=out,
+        steps=steps,
+        settings={**spec.get("settings", {}), **needed},
+        trainer_cls=cls,
+        eval_every=eval_every,
+        eval_n=eval_n,
+        progress=f"{name} s{seed}" if progress else None,
+        run_group=f"testbed-{name}",
+    )
+    result.update(arm=name, spec=spec)
+    os.makedirs(out, exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    os.replace(path + ".tmp", path)
+    return result
 
 
 # ==================================================================================================== one run
@@ -276,5 +365,6 @@ def fmt_spread(s: dict, fmt: str = "{:.1f}") -> str:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, HERE)
     with open(sys.argv[1], encoding="utf-8") as fh:
         train_one(json.load(fh))

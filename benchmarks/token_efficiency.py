@@ -1,402 +1,395 @@
-"""Benchmark 3: policy-optimisation tokens to reach GRPO's peak reward, Cost-Aware GRPO vs GRPO (embedded default).
+"""Benchmark 3: policy-optimisation tokens (and wall time) to reach a fixed held-out target, on the embedded testbed.
 
-    python benchmarks/token_efficiency.py --quick              # 2 seeds x 30 steps, main pair + uniform + filter
-    python benchmarks/token_efficiency.py                      # full: 5 seeds x 80 steps, every suite
-    python benchmarks/token_efficiency.py --suites main --seeds 5 --steps 80
+    python benchmarks/token_efficiency.py                  # 10 seeds of the main arms, 5 of the others, 50 steps
+    python benchmarks/token_efficiency.py --quick          # 2 seeds of GRPO and Cost-Aware 0.5, 30 steps
+    python benchmarks/token_efficiency.py --analyze-only   # re-read the runs already in --out
 
-Every arm runs the same number of steps on the same prompts (same seed, same rollouts budget: 16 prompts x 16
-rollouts per step); the cost-aware arms train on a sample of each generation batch. Runs go two at a time (one per
-core), the arms of one seed side by side. The reward curve is smoothed with a 10-point moving average
-(`trl_costaware.compare`); the targets are the baseline arm's peak (mean curve over its seeds) and 99% of it.
-Reported per arm: policy-optimisation tokens, generated tokens and wall time to each target and the saving against
-the baseline; the same per seed against the same seed's baseline run (paired ratios, with their spread); held-out
-accuracy (greedy and sampled at T=1, 256 problems) at the end.
+One process, the arms of a seed one after the other (so their wall times are measured side by side), seed-major so
+that a partial run is usable: every run's result is checkpointed (`outputs/bench/token_efficiency_<tag>/<arm>__s<seed>/
+run_result.json`) and the analysis is rewritten after every run.
 
-Suites: main (dapo: grpo, cost_aware), filter (GRPO with zero-variance groups dropped), loss (grpo and cispo loss
-types, both arms), ablations (dapo cost-aware variants: uniform proxy, smoothing alpha, multinomial draw, weight
-normalisation, kept fraction).
+View A (same rollouts per step, 64 prompts x 16): GRPO, GRPO without zero-advantage rows (exact), uniform
+subsampling 0.5, PODS max-variance 0.5, Cost-Aware GRPO 0.25 / 0.5 / 0.75 (default weights, "none") and 0.5 with
+"recenter" weights. View B (same policy tokens per step): GRPO on 32 x 16 rollouts against Cost-Aware GRPO generating
+64 x 16 and keeping half.
+
+Measured per run: held-out accuracy (512 fixed problems, one sample at T = 1) every 5 steps, with the policy tokens,
+generated tokens and training wall seconds (evaluation excluded) at each point. The target is fixed once for all runs:
+start + 80% of GRPO's mean improvement (improvement = mean of a run's last 3 evaluations − start). Per seed:
+tokens / wall / steps to first reach it; paired ratios against the GRPO run of the same seed, mean with a bootstrap
+95% interval over seeds; final accuracy (last 3 evaluations) at equal steps and at equal policy tokens (GRPO's curve
+interpolated at the arm's tokens), paired differences with intervals.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import sys
+import time
+
+import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
 
-SMOOTH = 10  # moving average over 10 logged steps
-HELDOUT_SMOOTH = 3  # held-out accuracy (every 5 steps): moving average over 3 points
-X_KEYS = {"policy": "cost_aware/policy_tokens", "generated": "cost_aware/generated_tokens", "wall": "wall_time"}
-
-# label -> (trainer arm, settings on top of BASE_SETTINGS, suite, comparison group)
-ARMS = {
-    "grpo": ("grpo", {}, "main", "dapo"),
-    "cost_aware": ("cost_aware", {}, "main", "dapo"),
-    "grpo_zvfilter": ("grpo_zero_var_filter", {}, "filter", "dapo"),
-    "ca_uniform": ("cost_aware", {"cost_aware_proxy": "uniform"}, "ablations", "dapo"),
-    "ca_alpha0": ("cost_aware", {"cost_aware_smoothing": 0.0}, "ablations", "dapo"),
-    "ca_alpha0.3": ("cost_aware", {"cost_aware_smoothing": 0.3}, "ablations", "dapo"),
-    "ca_multinomial": ("cost_aware", {"cost_aware_draw": "multinomial"}, "ablations", "dapo"),
-    "ca_selfnorm": ("cost_aware", {"cost_aware_weight_normalization": "self_normalize"}, "ablations", "dapo"),
-    "ca_kept0.25": ("cost_aware", {"cost_aware_kept_fraction": 0.25}, "ablations", "dapo"),
-    "ca_kept0.75": ("cost_aware", {"cost_aware_kept_fraction": 0.75}, "ablations", "dapo"),
-    "grpo-Lgrpo": ("grpo", {"loss_type": "grpo"}, "loss", "grpo"),
-    "cost_aware-Lgrpo": ("cost_aware", {"loss_type": "grpo"}, "loss", "grpo"),
-    "grpo-Lcispo": ("grpo", {"loss_type": "cispo"}, "loss", "cispo"),
-    "cost_aware-Lcispo": ("cost_aware", {"loss_type": "cispo"}, "loss", "cispo"),
-}
-BASELINES = {"dapo": "grpo", "grpo": "grpo-Lgrpo", "cispo": "grpo-Lcispo"}
-MAIN_PLOT_ARMS = ("grpo", "cost_aware", "grpo_zvfilter", "ca_uniform")
-QUICK_EXTRA = ("ca_uniform", "grpo_zvfilter")  # one seed each in --quick
+MAIN_ARMS = ("grpo", "cost_aware_0.5", "grpo_half")  # 10 seeds
+OTHER_ARMS = (
+    "zero_adv_filter",
+    "uniform_0.5",
+    "pods_0.5",
+    "cost_aware_0.25",
+    "cost_aware_0.75",
+    "cost_aware_0.5_recenter",
+)
+VIEW_A = ("grpo", "zero_adv_filter", "uniform_0.5", "pods_0.5", "cost_aware_0.25", "cost_aware_0.5")
+VIEW_A += ("cost_aware_0.75", "cost_aware_0.5_recenter")
+VIEW_B = ("grpo_half", "cost_aware_0.5")
+TARGET_FRACTION = 0.8
+END_POINTS = 3
+BOOTSTRAP = 10_000
 
 
-def run_dir(root: str, label: str, seed: int) -> str:
-    return os.path.join(root, f"{label}__s{seed}")
+# ==================================================================================================== running
+def schedule(seeds: int, other_seeds: int, arms_main=MAIN_ARMS, arms_other=OTHER_ARMS) -> list[tuple[str, int]]:
+    """(arm, seed) in run order: seed-major, every arm of a seed together."""
+    order = []
+    for seed in range(max(seeds, other_seeds)):
+        order += [(a, seed) for a in arms_main if seed < seeds]
+        order += [(a, seed) for a in arms_other if seed < other_seeds]
+    return order
 
 
-def build_specs(args) -> list[dict]:
-    suites = set(args.suites.split(","))
-    per_suite_seeds = {"main": args.seeds, "filter": args.filter_seeds, "loss": args.loss_seeds}
-    per_suite_seeds["ablations"] = args.ablation_seeds
-    specs = []
-    for seed in range(max(per_suite_seeds.values())):  # seed-major: the arms of one seed run side by side
-        for label, (arm, settings, suite, group) in ARMS.items():
-            if args.quick:
-                n = args.seeds if suite == "main" else (1 if label in QUICK_EXTRA else 0)
-            else:
-                n = per_suite_seeds[suite] if suite in suites else 0
-            if seed < n:
-                specs.append(
-                    dict(
-                        output_dir=run_dir(args.out, label, seed),
-                        seed=seed,
-                        steps=args.steps,
-                        arm=arm,
-                        settings=settings,
-                        eval_n=args.eval_n,
-                        heldout_every=args.heldout_every,
-                        heldout_n=512,
-                        heldout_sampled=args.heldout_sampled,
-                        group=f"token_efficiency-{group}",
-                    )
-                )
-    return specs
-
-
-def step_rewards(run_dir_: str, metric: str = "reward") -> dict[int, float]:
-    """Train reward per global step of a run (from its cost_aware_metrics.jsonl)."""
-    out = {}
-    with open(os.path.join(run_dir_, "cost_aware_metrics.jsonl"), encoding="utf-8") as fh:
-        for line in fh:
-            row = json.loads(line)
-            if row.get("split", "train") == "train" and metric in row:
-                out[int(row["step"])] = float(row[metric])
-    return out
-
-
-def paired_step_difference(base_dir: str, arm_dir: str, steps: int, metric: str = "reward") -> float | None:
-    """Mean over the second half of training of (arm reward − baseline reward) at equal steps: the two runs of one
-    seed see the same prompts at the same step, so this removes the prompt-difficulty noise of the reward curve."""
-    b, a = step_rewards(base_dir, metric), step_rewards(arm_dir, metric)
-    common_steps = [s for s in a if s in b and s > steps // 2]
-    if not common_steps:
-        return None
-    return sum(a[s] - b[s] for s in common_steps) / len(common_steps)
-
-
-def has_metric(run_dir_: str, metric: str) -> bool:
-    return bool(step_rewards(run_dir_, metric))
-
-
-def analyse(root: str, steps: int, tag: str, metric: str = "reward", smooth: float = SMOOTH) -> dict:
-    from trl_costaware.compare import compare_runs, format_report, load_runs, plot
-
-    runs_by_label: dict[str, dict[int, str]] = {}
+def load_runs(root: str, steps: int) -> dict[str, dict[int, dict]]:
+    """arm -> seed -> run result, for the finished runs of `steps` steps under `root`."""
+    runs: dict[str, dict[int, dict]] = {}
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
-        if "__s" not in name:
+        path = os.path.join(root, name, "run_result.json")
+        if "__s" not in name or not os.path.exists(path):
             continue
-        label, seed = name.rsplit("__s", 1)
-        d = os.path.join(root, name)
-        res = common.load_result(d)
-        if label in ARMS and res is not None and res["spec"]["steps"] == steps and has_metric(d, metric):
-            runs_by_label.setdefault(label, {})[int(seed)] = d
-    out = {"steps": steps, "metric": metric, "smoothing": smooth, "groups": {}}
-    for group, base in BASELINES.items():
-        labels = [lab for lab in ARMS if ARMS[lab][3] == group and lab in runs_by_label]
-        if base not in labels or len(labels) < 2:
-            continue
-        dirs = [runs_by_label[lab][s] for lab in labels for s in sorted(runs_by_label[lab])]
-        label_rules = [f"{lab}__s*={lab}" for lab in labels]
-        g = {"baseline": base, "arms": {}, "reports": {}}
-        for xname, xkey in X_KEYS.items():
-            result = compare_runs(
-                load_runs(dirs, progress=False),
-                metric=metric,
-                x=xkey,
-                smoothing=smooth,
-                labels=label_rules,
-                baseline=base,
-            )
-            g["reports"][xname] = format_report(result)
-            if xname == "policy":
-                g["baseline_peak"] = result.baseline_peak
-                main_labels = [lab for lab in labels if lab in MAIN_PLOT_ARMS]
-                if len(labels) > len(main_labels) > 1:  # a readable figure with the main arms only
-                    main_dirs = [runs_by_label[lab][s] for lab in main_labels for s in sorted(runs_by_label[lab])]
-                    plot(
-                        compare_runs(
-                            load_runs(main_dirs, progress=False),
-                            metric=metric,
-                            x=xkey,
-                            smoothing=smooth,
-                            labels=[f"{lab}__s*={lab}" for lab in main_labels],
-                            baseline=base,
-                        ),
-                        os.path.join(common.RESULTS, f"token_efficiency_{tag}_{group}_{metric}_main.png"),
-                        title=f"{metric} vs policy-optimisation tokens ({group} loss, {steps} steps, MA {smooth:g})",
-                    )
-                plot(
-                    result,
-                    os.path.join(common.RESULTS, f"token_efficiency_{tag}_{group}_{metric}.png"),
-                    title=f"{metric} vs policy-optimisation tokens ({group} loss, {steps} steps, MA {smooth:g})",
-                )
-            for a in result.arms:
-                arm = g["arms"].setdefault(a["arm"], {"seeds": sorted(runs_by_label[a["arm"]])})
-                arm[f"mean_curve_{xname}"] = {
-                    "final": a["final"],
-                    "peak": a["peak"],
-                    "total": a["x_total"],
-                    "targets": a["targets"],
-                }
-        # Paired per-seed savings: each run against the baseline run of the same seed.
-        for lab in labels:
-            arm = g["arms"][lab]
-            paired = {xname: {1.0: [], 0.99: []} for xname in X_KEYS}
-            reached = {1.0: 0, 0.99: 0}
-            step_diffs = []
-            finals, accs_g, accs_s, policy, generated, walls, kept = [], [], [], [], [], [], []
-            per_seed = []
-            for s, d in sorted(runs_by_label[lab].items()):
-                res = common.load_result(d)
-                accs_g.append(res.get("eval_greedy_acc"))
-                accs_s.append(res.get("eval_sampled_acc"))
-                policy.append(res["totals"]["policy_tokens"])
-                generated.append(res["totals"]["generated_tokens"])
-                walls.append(res["wall_train_s"])
-                kept.append(res["totals"]["rows_kept"] / max(res["totals"]["rows_generated"], 1))
-                row = {"seed": s, "dir": d}
-                if lab != base and s in runs_by_label[base]:
-                    pair = [runs_by_label[base][s], d]
-                    step_diffs.append(paired_step_difference(runs_by_label[base][s], d, steps, metric))
-                    row["reward_diff_2nd_half_equal_steps"] = step_diffs[-1]
-                    for xname, xkey in X_KEYS.items():
-                        r = compare_runs(
-                            load_runs(pair, progress=False),
-                            metric=metric,
-                            x=xkey,
-                            smoothing=smooth,
-                            labels=[f"{base}__s*=base", f"{lab}__s*=arm"],
-                            baseline="base",
-                        )
-                        a = next(a for a in r.arms if a["arm"] == "arm")
-                        if xname == "policy":
-                            finals.append(a["final_vs_baseline"])
-                        for t in a["targets"]:
-                            paired[xname][t["fraction"]].append(t["saving_pct"])
-                            row[f"saving_{xname}_{t['fraction']:g}"] = t["saving_pct"]
-                            if xname == "policy" and t["x"] is not None:
-                                reached[t["fraction"]] += 1
-                per_seed.append(row)
-            arm["per_seed"] = per_seed
-            arm["eval_greedy_acc"] = common.spread(accs_g)
-            arm["eval_sampled_acc"] = common.spread(accs_s)
-            arm["policy_tokens_total"] = common.spread(policy)
-            arm["generated_tokens_total"] = common.spread(generated)
-            arm["wall_train_s"] = common.spread(walls)
-            arm["kept_row_fraction"] = common.spread(kept)
-            if lab != base:
-                arm["paired_final_minus_baseline"] = common.spread(finals)
-                arm["paired_reward_diff_2nd_half"] = common.spread(step_diffs)
-                arm["paired_reached"] = {f"{k:g}": v for k, v in reached.items()}
-                arm["paired_saving_pct"] = {
-                    xname: {f"{f:g}": common.spread(v) | {"raw": v} for f, v in d.items()}
-                    for xname, d in paired.items()
-                }
-        out["groups"][group] = g
+        with open(path, encoding="utf-8") as fh:
+            res = json.load(fh)
+        if res["steps"] == steps:
+            runs.setdefault(res["arm"], {})[res["seed"]] = res
+    return runs
+
+
+# ==================================================================================================== statistics
+def bootstrap_ci(values, level: float = 0.95, resamples: int = BOOTSTRAP, seed: int = 0):
+    """(mean, low, high): percentile bootstrap interval of the mean over the values (None when empty)."""
+    v = np.asarray([x for x in values if x is not None and np.isfinite(x)], dtype=float)
+    if len(v) == 0:
+        return None, None, None
+    if len(v) == 1:
+        return float(v[0]), None, None
+    rng = np.random.default_rng(seed)
+    means = v[rng.integers(0, len(v), size=(resamples, len(v)))].mean(1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return float(v.mean()), float(lo), float(hi)
+
+
+def end_acc(run: dict) -> float:
+    """Mean held-out accuracy over the last `END_POINTS` evaluations (less noisy than the last one)."""
+    return float(np.mean([p["heldout_acc"] for p in run["curve"][1:]][-END_POINTS:]))
+
+
+def acc_at(run: dict, x: float, key: str = "policy_tokens") -> float | None:
+    """Held-out accuracy of `run` interpolated at `key` = x (None beyond its curve)."""
+    xs = np.array([p[key] for p in run["curve"]], dtype=float)
+    ys = np.array([p["heldout_acc"] for p in run["curve"]], dtype=float)
+    if x > xs[-1] + 1e-9:
+        return None
+    return float(np.interp(x, xs, ys))
+
+
+def reach(run: dict, target: float) -> dict | None:
+    """The first evaluation at or above the target: its step, policy tokens, generated tokens and wall seconds."""
+    for p in run["curve"]:
+        if p["heldout_acc"] >= target:
+            return p
+    return None
+
+
+def analyse(runs: dict[str, dict[int, dict]]) -> dict:
+    grpo = runs.get("grpo", {})
+    if not grpo:
+        return {"error": "no finished GRPO run"}
+    starts = {round(r["heldout_acc_start"], 6) for arm in runs.values() for r in arm.values()}
+    start = float(np.mean([r["heldout_acc_start"] for r in grpo.values()]))
+    improvements = [end_acc(r) - r["heldout_acc_start"] for r in grpo.values()]
+    gain = bootstrap_ci(improvements)
+    target = start + TARGET_FRACTION * gain[0]
+    out = {
+        "start_accuracy": start,
+        "distinct_start_accuracies": sorted(starts),
+        "grpo_improvement": {"mean": gain[0], "ci95": gain[1:], "per_seed": improvements},
+        "grpo_greedy_change": bootstrap_ci([r["greedy_acc_end"] - r["greedy_acc_start"] for r in grpo.values()]),
+        "target": target,
+        "target_rule": f"start + {TARGET_FRACTION:.0%} of GRPO's mean improvement (mean of the last {END_POINTS} "
+        "evaluations − start)",
+        "arms": {},
+    }
+    for arm, by_seed in runs.items():
+        base_arm = "grpo_half" if arm == "grpo_half" else "grpo"
+        seeds = sorted(by_seed)
+        a = {"seeds": seeds, "per_seed": []}
+        ratios = {"policy_tokens": [], "wall_s": [], "step": [], "generated_tokens": []}
+        d_steps, d_tokens, ends, gains = [], [], [], []
+        for s in seeds:
+            r = by_seed[s]
+            hit = reach(r, target)
+            g = grpo.get(s)
+            g_hit = reach(g, target) if g else None
+            row = {
+                "seed": s,
+                "end_acc": end_acc(r),
+                "greedy_start": r["greedy_acc_start"],
+                "greedy_end": r["greedy_acc_end"],
+                "policy_tokens": r["totals"]["policy_tokens"],
+                "generated_tokens": r["totals"]["generated_tokens"],
+                "train_wall_s": r["train_wall_s"],
+                "reached": hit is not None,
+            }
+            ends.append(row["end_acc"])
+            gains.append(row["end_acc"] - r["heldout_acc_start"])
+            if hit:
+                row.update({f"to_target_{k}": hit[k] for k in ("step", "policy_tokens", "generated_tokens", "wall_s")})
+            if g is not None and arm != "grpo":
+                row["end_minus_grpo_equal_steps"] = row["end_acc"] - end_acc(g)
+                d_steps.append(row["end_minus_grpo_equal_steps"])
+                xs = [p["policy_tokens"] for p in r["curve"][1:]][-END_POINTS:]
+                g_at = [acc_at(g, x) for x in xs]
+                if all(v is not None for v in g_at):
+                    row["end_minus_grpo_equal_tokens"] = row["end_acc"] - float(np.mean(g_at))
+                    d_tokens.append(row["end_minus_grpo_equal_tokens"])
+                if hit and g_hit:
+                    for k in ratios:
+                        if g_hit[k] > 0:
+                            ratios[k].append(hit[k] / g_hit[k])
+                            row[f"ratio_{k}"] = ratios[k][-1]
+            a["per_seed"].append(row)
+        n = len(seeds)
+        a["reached"] = sum(r["reached"] for r in a["per_seed"])
+        a["end_acc"] = bootstrap_ci(ends)
+        a["gain"] = bootstrap_ci(gains)
+        a["greedy_change"] = bootstrap_ci([r["greedy_end"] - r["greedy_start"] for r in a["per_seed"]])
+        a["policy_tokens_total"] = float(np.mean([r["policy_tokens"] for r in a["per_seed"]]))
+        a["train_wall_s"] = float(np.mean([r["train_wall_s"] for r in a["per_seed"]]))
+        a["n"] = n
+        del base_arm
+        if arm != "grpo":
+            a["paired_with_grpo"] = sum(1 for s in seeds if s in grpo)
+            a["ratio_vs_grpo"] = {k: {"ci": bootstrap_ci(v), "n": len(v)} for k, v in ratios.items()}
+            a["end_minus_grpo_equal_steps"] = bootstrap_ci(d_steps)
+            a["end_minus_grpo_equal_tokens"] = bootstrap_ci(d_tokens)
+        out["arms"][arm] = a
+    if "grpo_half" in runs and "cost_aware_0.5" in runs:
+        out["view_b"] = view_b(runs["grpo_half"], runs["cost_aware_0.5"], target)
     return out
 
 
-def summary_markdown(res: dict) -> str:
-    lines = []
-    for group, g in res["groups"].items():
-        base = g["baseline"]
-        lines += [
-            f"### {res['metric']}, {group} loss — baseline `{base}`, {res['steps']} steps, MA {res['smoothing']:g} "
-            "points, "
-            f"baseline peak (mean curve) {g['baseline_peak']:.3f}",
-            "",
-            "Mean curve over seeds (saving vs the baseline arm's mean curve):",
-            "",
-            "| arm | seeds | kept rows | policy tokens total | final | peak | policy tok. to peak "
-            "(saving) | to 99% (saving) | generated tok. saving to peak / 99% | wall saving to peak / 99% | "
-            "greedy acc | sampled acc |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for lab, a in g["arms"].items():
-            mc = a["mean_curve_policy"]
-            t100, t99 = mc["targets"]
-            gen = a["mean_curve_generated"]["targets"]
-            wall = a["mean_curve_wall"]["targets"]
-
-            def x_s(t):
-                if t["x"] is None:
-                    return "not reached"
-                return f"{t['x']:,.0f}" + (f" ({t['saving_pct']:+.0f}%)" if t["saving_pct"] is not None else "")
-
-            def s_only(t):
-                return "n.r." if t["saving_pct"] is None else f"{t['saving_pct']:+.0f}%"
-
-            lines.append(
-                f"| {lab} | {len(a['seeds'])} | {a['kept_row_fraction']['mean']:.2f} | "
-                f"{a['policy_tokens_total']['mean']:,.0f} | {mc['final']:.3f} | {mc['peak']:.3f} | {x_s(t100)} | "
-                f"{x_s(t99)} | {s_only(gen[0])} / {s_only(gen[1])} | {s_only(wall[0])} / {s_only(wall[1])} | "
-                f"{common.fmt_spread(a['eval_greedy_acc'], '{:.3f}')} | "
-                f"{common.fmt_spread(a['eval_sampled_acc'], '{:.3f}')} |"
-            )
-        lines += [
-            "",
-            "Paired per seed (each run against the baseline run of the same seed; saving in %, mean ± std "
-            "[min, max] over the seeds that reached the target; `reached` = seeds reaching it):",
-            "",
-            "| arm | reached peak / 99% | policy-token saving to peak | to 99% | generated-token saving to peak |"
-            " wall saving to peak | final − baseline | − baseline at equal steps, 2nd half |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for lab, a in g["arms"].items():
-            if lab == base:
-                continue
-            ps = a["paired_saving_pct"]
-            n = len(a["per_seed"])
-            lines.append(
-                f"| {lab} | {a['paired_reached']['1']}/{n} , {a['paired_reached']['0.99']}/{n} | "
-                f"{common.fmt_spread(ps['policy']['1'], '{:+.0f}')} | "
-                f"{common.fmt_spread(ps['policy']['0.99'], '{:+.0f}')} | "
-                f"{common.fmt_spread(ps['generated']['1'], '{:+.0f}')} | "
-                f"{common.fmt_spread(ps['wall']['1'], '{:+.0f}')} | "
-                f"{common.fmt_spread(a['paired_final_minus_baseline'], '{:+.3f}')} | "
-                f"{common.fmt_spread(a['paired_reward_diff_2nd_half'], '{:+.3f}')} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
+def view_b(half: dict[int, dict], ca: dict[int, dict], target: float) -> dict:
+    """Cost-Aware 0.5 (N rollouts, keeps N/2) against GRPO on N/2 rollouts, same seeds: end accuracy difference at
+    equal steps (≈ equal policy tokens) and at equal policy tokens, and ratios of tokens / wall to the target."""
+    seeds = sorted(set(half) & set(ca))
+    d_end, d_tok, r_tok, r_wall, rows = [], [], [], [], []
+    for s in seeds:
+        h, c = half[s], ca[s]
+        row = {"seed": s, "ca_end": end_acc(c), "half_end": end_acc(h)}
+        d_end.append(row["ca_end"] - row["half_end"])
+        xs = [p["policy_tokens"] for p in c["curve"][1:]][-END_POINTS:]
+        h_at = [acc_at(h, x) for x in xs]
+        if all(v is not None for v in h_at):
+            row["ca_minus_half_equal_tokens"] = row["ca_end"] - float(np.mean(h_at))
+            d_tok.append(row["ca_minus_half_equal_tokens"])
+        hc, hh = reach(c, target), reach(h, target)
+        row["ca_reached"], row["half_reached"] = hc is not None, hh is not None
+        if hc and hh:
+            r_tok.append(hc["policy_tokens"] / hh["policy_tokens"])
+            r_wall.append(hc["wall_s"] / hh["wall_s"])
+        rows.append(row)
+    return {
+        "seeds": seeds,
+        "per_seed": rows,
+        "ca_minus_half_end_equal_steps": bootstrap_ci(d_end),
+        "ca_minus_half_end_equal_tokens": bootstrap_ci(d_tok),
+        "ratio_policy_tokens_to_target": {"ci": bootstrap_ci(r_tok), "n": len(r_tok)},
+        "ratio_wall_to_target": {"ci": bootstrap_ci(r_wall), "n": len(r_wall)},
+        "ca_reached": sum(r["ca_reached"] for r in rows),
+        "half_reached": sum(r["half_reached"] for r in rows),
+    }
 
 
-def compact_table(res: dict) -> str:
-    """One line per arm: token ratio, paired equal-step differences (reward, held-out accuracy), targets reached,
-    final held-out accuracy."""
+# ==================================================================================================== reporting
+def _ci(t, fmt="{:+.3f}") -> str:
+    mean, lo, hi = t if t is not None else (None, None, None)
+    if mean is None:
+        return "n/a"
+    if lo is None:
+        return fmt.format(mean)
+    return f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def markdown(res: dict, command: str) -> str:
+    if "error" in res:
+        return res["error"]
     lines = [
-        "| loss | arm | seeds | kept rows | policy tokens / GRPO | Δ reward at equal steps (2nd half) | "
-        "Δ held-out acc at equal steps (2nd half) | seeds reaching GRPO peak / 99% (reward; held-out) | "
-        "final greedy acc | final sampled acc |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"`{command}`",
+        "",
+        f"Start held-out accuracy {res['start_accuracy']:.3f} (every run starts from the same warm-up); GRPO's mean "
+        f"improvement {_ci((res['grpo_improvement']['mean'], *res['grpo_improvement']['ci95']))} "
+        f"(greedy change {_ci(res['grpo_greedy_change'])}); target {res['target']:.3f} ({res['target_rule']}).",
+        "",
+        "View A — same rollouts per step (64 × 16). Ratios are arm / GRPO of the same seed, over the seeds where both "
+        "reached the target (mean [bootstrap 95% CI]); Δ are paired differences in held-out accuracy.",
+        "",
+        "| arm | seeds | reached | policy tokens to target / GRPO | wall to target / GRPO | steps to target / GRPO"
+        " | end acc (last 3 evals) | Δ end, equal steps | Δ end, equal policy tokens | greedy change | policy tokens"
+        " total | train s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    rew, held = res["reward"]["groups"], res.get("heldout_acc", {}).get("groups", {})
-    for group, g in rew.items():
-        base_tokens = g["arms"][g["baseline"]]["policy_tokens_total"]["mean"]
-        for lab, a in g["arms"].items():
-            h = held.get(group, {}).get("arms", {}).get(lab)
-            n = len(a["per_seed"])
-            if lab == g["baseline"]:
-                d_r = d_h = reach = "—"
-            else:
-                d_r = common.fmt_spread(a["paired_reward_diff_2nd_half"], "{:+.3f}")
-                d_h = common.fmt_spread(h["paired_reward_diff_2nd_half"], "{:+.3f}") if h else "n/a"
-                reach = f"{a['paired_reached']['1']}/{n}, {a['paired_reached']['0.99']}/{n}"
-                if h:
-                    reach += f"; {h['paired_reached']['1']}/{n}, {h['paired_reached']['0.99']}/{n}"
-            lines.append(
-                f"| {group} | {lab} | {n} | {a['kept_row_fraction']['mean']:.2f} | "
-                f"{a['policy_tokens_total']['mean'] / base_tokens:.3f} | {d_r} | {d_h} | {reach} | "
-                f"{common.fmt_spread(a['eval_greedy_acc'], '{:.3f}')} | "
-                f"{common.fmt_spread(a['eval_sampled_acc'], '{:.3f}')} |"
-            )
+    arms = res["arms"]
+    for arm in [a for a in VIEW_A if a in arms] + [a for a in arms if a not in VIEW_A]:
+        a = arms[arm]
+        if arm == "grpo":
+            cells = ["1", "1", "1", "—", "—"]
+        else:
+            r = a["ratio_vs_grpo"]
+            cells = [
+                f"{_ci(r['policy_tokens']['ci'], '{:.2f}')} (n={r['policy_tokens']['n']})",
+                _ci(r["wall_s"]["ci"], "{:.2f}"),
+                _ci(r["step"]["ci"], "{:.2f}"),
+                _ci(a["end_minus_grpo_equal_steps"]),
+                _ci(a["end_minus_grpo_equal_tokens"]),
+            ]
+        lines.append(
+            f"| {arm} | {a['n']} | {a['reached']}/{a['n']} | {cells[0]} | {cells[1]} | {cells[2]} | "
+            f"{_ci(a['end_acc'], '{:.3f}')} | {cells[3]} | {cells[4]} | {_ci(a['greedy_change'])} | "
+            f"{a['policy_tokens_total'] / 1e6:.2f}M | {a['train_wall_s']:.0f} |"
+        )
+    vb = res.get("view_b")
+    if vb:
+        lines += [
+            "",
+            "View B — same policy tokens per step: Cost-Aware 0.5 (generates 64 × 16, keeps half) against GRPO on "
+            f"32 × 16 rollouts, {len(vb['seeds'])} paired seeds.",
+            "",
+            "| measure | value |",
+            "|---|---|",
+            f"| Δ end accuracy (CA − GRPO-half), equal steps | {_ci(vb['ca_minus_half_end_equal_steps'])} |",
+            f"| Δ end accuracy, equal policy tokens | {_ci(vb['ca_minus_half_end_equal_tokens'])} |",
+            f"| policy tokens to target, CA / GRPO-half (n={vb['ratio_policy_tokens_to_target']['n']}) | "
+            f"{_ci(vb['ratio_policy_tokens_to_target']['ci'], '{:.2f}')} |",
+            f"| wall to target, CA / GRPO-half (n={vb['ratio_wall_to_target']['n']}) | "
+            f"{_ci(vb['ratio_wall_to_target']['ci'], '{:.2f}')} |",
+            f"| reached target: CA / GRPO-half | {vb['ca_reached']}/{len(vb['seeds'])} , "
+            f"{vb['half_reached']}/{len(vb['seeds'])} |",
+        ]
     return "\n".join(lines)
 
 
-def write_csv(res: dict, path: str) -> None:
-    keys = ["group", "arm", "seed", "dir"] + [f"saving_{x}_{f}" for x in X_KEYS for f in ("1", "0.99")]
-    with open(path, "w", newline="", encoding="utf-8") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys + ["policy_tokens", "generated_tokens", "wall_train_s", "greedy_acc"])
-        w.writeheader()
-        for group, g in res["groups"].items():
-            for lab, a in g["arms"].items():
-                for row in a["per_seed"]:
-                    r = common.load_result(row["dir"])
-                    w.writerow(
-                        {k: row.get(k) for k in keys if k in row}
-                        | {
-                            "group": group,
-                            "arm": lab,
-                            "policy_tokens": r["totals"]["policy_tokens"],
-                            "generated_tokens": r["totals"]["generated_tokens"],
-                            "wall_train_s": round(r["wall_train_s"], 2),
-                            "greedy_acc": r.get("eval_greedy_acc"),
-                        }
-                    )
+def plot_curves(runs: dict[str, dict[int, dict]], arms, path: str, title: str, target: float | None) -> str | None:
+    """Held-out accuracy against policy tokens: per arm the mean over seeds (interpolated on a common grid) with a
+    ±1 standard-error band."""
+    arms = [a for a in arms if a in runs]
+    if not arms:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    for arm in arms:
+        curves = list(runs[arm].values())
+        x_max = min(c["curve"][-1]["policy_tokens"] for c in curves)
+        grid = np.linspace(0, x_max, 60)
+        ys = np.array(
+            [
+                np.interp(grid, [p["policy_tokens"] for p in c["curve"]], [p["heldout_acc"] for p in c["curve"]])
+                for c in curves
+            ]
+        )
+        mean = ys.mean(0)
+        se = ys.std(0, ddof=1) / np.sqrt(len(ys)) if len(ys) > 1 else np.zeros_like(mean)
+        (line,) = ax.plot(grid / 1e6, mean, label=f"{arm} ({len(ys)} seeds)")
+        ax.fill_between(grid / 1e6, mean - se, mean + se, color=line.get_color(), alpha=0.2)
+    if target is not None:
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.3f}")
+    ax.set_xlabel("policy-optimisation tokens (millions)")
+    ax.set_ylabel("held-out accuracy (T=1, 512 problems)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_results(root: str, steps: int, tag: str, command: str) -> dict:
+    runs = load_runs(root, steps)
+    res = analyse(runs)
+    res["command"] = command
+    res["steps"] = steps
+    base = os.path.join(common.RESULTS, f"token_efficiency_{tag}")
+    if "error" not in res:
+        main = ("grpo", "zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5")
+        plot_curves(runs, main, base + "_view_a.png", f"View A: same rollouts per step ({steps} steps)", res["target"])
+        plot_curves(
+            runs,
+            ("grpo", "cost_aware_0.25", "cost_aware_0.5", "cost_aware_0.75", "cost_aware_0.5_recenter"),
+            base + "_kept.png",
+            f"Cost-Aware GRPO: kept fraction and weights ({steps} steps)",
+            res["target"],
+        )
+        plot_curves(
+            runs,
+            ("grpo_half", "cost_aware_0.5"),
+            base + "_view_b.png",
+            "View B: same policy tokens per step",
+            res["target"],
+        )
+    with open(base + ".json", "w", encoding="utf-8") as fh:
+        json.dump(res, fh, indent=1)
+    with open(base + ".md", "w", encoding="utf-8") as fh:
+        fh.write(markdown(res, command) + "\n")
+    return res
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="2 seeds x 30 steps, main pair + one seed of uniform/filter")
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 80; quick 30)")
-    p.add_argument("--seeds", type=int, default=None, help="seeds of the main pair (default 5; quick 2)")
-    p.add_argument("--filter-seeds", type=int, default=3)
-    p.add_argument("--loss-seeds", type=int, default=2)
-    p.add_argument("--ablation-seeds", type=int, default=2)
-    p.add_argument("--suites", default="main,filter,loss,ablations")
-    p.add_argument("--eval-n", type=int, default=256, help="held-out problems for the final accuracy")
-    p.add_argument(
-        "--heldout-every", type=int, default=5, help="held-out greedy accuracy every N steps (512 problems)"
-    )
-    p.add_argument(
-        "--heldout-sampled", action="store_true", help="also sampled (T=1) held-out accuracy, 1024 problems"
-    )
-    p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--out", default=None, help="run folder (default outputs/bench/token_efficiency[_quick])")
-    p.add_argument("--tag", default=None, help="results file name suffix (default quick / full)")
-    p.add_argument("--analyze-only", action="store_true", help="only read the runs already in --out")
+    p.add_argument("--quick", action="store_true", help="2 seeds of GRPO and Cost-Aware 0.5, 30 steps")
+    p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {common.DEFAULT_STEPS})")
+    p.add_argument("--seeds", type=int, default=10, help="seeds of GRPO, Cost-Aware 0.5 and GRPO-half")
+    p.add_argument("--other-seeds", type=int, default=5, help="seeds of the other arms")
+    p.add_argument("--out", default=None, help="run folder (default outputs/bench/token_efficiency_<tag>)")
+    p.add_argument("--tag", default=None, help="results file name suffix (default full / quick)")
+    p.add_argument("--analyze-only", action="store_true")
     args = p.parse_args(argv)
     tag = args.tag or ("quick" if args.quick else "full")
-    args.steps = args.steps or (30 if args.quick else 80)
-    args.seeds = args.seeds or (2 if args.quick else 5)
-    args.out = args.out or os.path.join(common.ROOT, "outputs", "bench", f"token_efficiency_{tag}")
+    steps = args.steps or (30 if args.quick else common.DEFAULT_STEPS)
+    root = args.out or os.path.join(common.ROOT, "outputs", "bench", f"token_efficiency_{tag}")
+    command = " ".join(["python benchmarks/token_efficiency.py", *(argv if argv is not None else sys.argv[1:])])
     os.makedirs(common.RESULTS, exist_ok=True)
     if not args.analyze_only:
-        specs = build_specs(args)
-        print(f"token_efficiency ({tag}): {len(specs)} runs of {args.steps} steps in {args.out}", flush=True)
-        common.run_many(specs, jobs=args.jobs)
-    res = {
-        "command": " ".join(
-            ["python", "benchmarks/token_efficiency.py", *(argv if argv is not None else sys.argv[1:])]
-        ),
-        "reward": analyse(args.out, args.steps, tag, "reward", SMOOTH),
-        "heldout_acc": analyse(args.out, args.steps, tag, "heldout_acc", HELDOUT_SMOOTH),
-    }
-    if args.heldout_sampled:
-        res["heldout_sampled_acc"] = analyse(args.out, args.steps, tag, "heldout_sampled_acc", HELDOUT_SMOOTH)
-    base = os.path.join(common.RESULTS, f"token_efficiency_{tag}")
-    with open(base + ".json", "w", encoding="utf-8") as fh:
-        json.dump(res, fh, indent=1, default=str)
-    write_csv(res["reward"], base + ".csv")
-    md = f"`{res['command']}`\n\n### Summary (paired against the GRPO run of the same seed)\n\n" + compact_table(res)
-    md += "\n\n" + "\n".join(summary_markdown(v) for k, v in res.items() if k != "command")
-    with open(base + ".md", "w", encoding="utf-8") as fh:
-        fh.write(md)
-    print(md)
+        order = (
+            schedule(2, 0, ("grpo", "cost_aware_0.5"), ()) if args.quick else schedule(args.seeds, args.other_seeds)
+        )
+        t0 = time.perf_counter()
+        for i, (arm, seed) in enumerate(order):
+            r = common.run_arm(arm, seed, root, steps=steps)
+            print(
+                f"[{i + 1}/{len(order)}] {arm} seed {seed}: held-out {r['heldout_acc_start']:.3f} -> "
+                f"{r['heldout_acc_end']:.3f}, train {r['train_wall_s']:.0f}s "
+                f"(elapsed {time.perf_counter() - t0:.0f}s)",
+                flush=True,
+            )
+            write_results(root, steps, tag, command)
+    res = write_results(root, steps, tag, command)
+    print(markdown(res, command))
 
 
 if __name__ == "__main__":

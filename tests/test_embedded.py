@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trl_costaware import embedded
-from trl_costaware.embedded.arithmetic import make_problem
+from trl_costaware.embedded.arithmetic import DEFAULT_MAX_TERMS, LEGACY_MAX_TERMS, make_problem, max_completion_tokens
+from trl_costaware.embedded.warmup import WARMUP_RECIPES, warmup_dataset
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Tokenizer
@@ -140,7 +141,8 @@ def test_dataset_columns_determinism_and_correctness():
     assert set(ds.column_names) == {"prompt", "answer", "solution", "num_terms"}
     assert ds.to_list() == embedded.arithmetic_dataset(200, seed=5).to_list()
     assert ds.to_list() != embedded.arithmetic_dataset(200, seed=6).to_list()
-    assert set(ds["num_terms"]) == set(range(1, 7))
+    assert set(ds["num_terms"]) == set(range(1, DEFAULT_MAX_TERMS + 1))
+    assert set(embedded.arithmetic_dataset(200, seed=5, max_terms=LEGACY_MAX_TERMS)["num_terms"]) == set(range(1, 7))
     for row in ds:
         terms = [int(t) for t in row["prompt"].rstrip("=").split("+")]
         assert len(terms) == row["num_terms"]
@@ -161,8 +163,39 @@ def test_length_ratio_at_least_4x(tokenizer):
     ds = embedded.arithmetic_dataset(1000, seed=0)
     # prompt + correct response + EOS, in tokens
     lengths = [len(tokenizer(r["prompt"] + r["solution"] + tokenizer.eos_token)["input_ids"]) for r in ds]
-    assert min(lengths) == 5 and max(lengths) == 30
+    assert min(lengths) == 5 and max(lengths) == 20
     assert max(lengths) / min(lengths) >= 4
+
+
+@pytest.mark.parametrize("max_terms", [1, 2, 4, 6])
+def test_max_completion_tokens_bounds_every_correct_completion(tokenizer, max_terms):
+    ds = embedded.arithmetic_dataset(2000, seed=1, min_terms=max_terms, max_terms=max_terms)
+    longest = max(len(tokenizer(r["solution"] + tokenizer.eos_token)["input_ids"]) for r in ds)
+    assert longest <= max_completion_tokens(max_terms) <= longest + 1
+
+
+def test_warmup_dataset_repeats_the_answer_in_the_recipe_fraction():
+    recipe = WARMUP_RECIPES["default"]
+    ds = warmup_dataset(4000, seed=3, recipe=recipe)
+    assert ds.column_names == ["prompt", "completion"]
+    repeated = 0
+    for row in ds:
+        answer = str(sum(int(t) for t in row["prompt"].rstrip("=").split("+")))
+        chain_and_answer = row["completion"].split("|")
+        assert chain_and_answer[1] == answer
+        if len(chain_and_answer) == 3:  # "8,10|10|10": the answer repeated, which the reward scores 0
+            assert chain_and_answer[2] == answer
+            assert embedded.arithmetic_reward([row["completion"]], [answer]) == [0.0]
+            repeated += 1
+    assert abs(repeated / len(ds) - recipe.repeat_fraction) < 0.03
+    clean = warmup_dataset(500, seed=3, recipe=WARMUP_RECIPES["sums6"])
+    assert all(c.count("|") == 1 for c in clean["completion"])
+    assert warmup_dataset(500, seed=3, recipe=recipe).to_list() == warmup_dataset(500, seed=3, recipe=recipe).to_list()
+
+
+def test_unknown_warmup_recipe_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        embedded.warmed_up_model_path(tmp_path, recipe="nope")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -223,8 +256,10 @@ def test_warm_model_leaves_room_for_rl(warm_model_path):
     greedy = embedded.evaluate_accuracy(warm_model_path, n=256)
     sampled = embedded.evaluate_accuracy(warm_model_path, n=256, do_sample=True)
     print(f"warm-up accuracy: greedy {greedy:.3f}, sampled (T=1) {sampled:.3f}")
-    assert 0.3 <= greedy <= 0.9
-    assert 0.2 <= sampled <= 0.7
+    # The arithmetic is learnt (greedy), sampling at T=1 and the repeated-answer habit leave room for RL.
+    assert greedy >= 0.9
+    assert 0.5 <= sampled <= 0.8
+    assert greedy - sampled >= 0.2
 
     # 8 samples at temperature 1 for 32 prompts: most groups have reward variance (GRPO signal).
     ds = embedded.arithmetic_dataset(32, seed=999)
@@ -239,7 +274,7 @@ def test_warm_model_leaves_room_for_rl(warm_model_path):
     by_terms = {}
     for k, r in zip([k for k in ds["num_terms"] for _ in range(8)], rewards, strict=True):
         by_terms.setdefault(k, []).append(r)
-    assert statistics.mean(by_terms[1]) > statistics.mean(by_terms[6])
+    assert statistics.mean(by_terms[1]) > statistics.mean(by_terms[DEFAULT_MAX_TERMS])
 
 
 @pytest.mark.slow

@@ -3,8 +3,13 @@
     prompt   "3+5+2="
     solution "8,10|10"     (running sums after each added term, then "|" and the final answer; EOS follows)
 
-A one-term problem is ``"7="`` -> ``"|7"``; a six-term problem needs five running sums. So a longer problem costs more
-tokens to prompt *and* to answer, and is also harder, which is the setting cost-aware sampling is about.
+A one-term problem is ``"7="`` -> ``"|7"``; a four-term problem needs three running sums. So a longer problem costs
+more tokens to prompt *and* to answer (5 tokens for ``"7=|7<eos>"``, up to 19 for four terms, more for a rollout
+that does not stop), and is also harder, which is the setting cost-aware sampling is about.
+
+The default task has 1 to `DEFAULT_MAX_TERMS` (4) terms: the embedded 138k-parameter model cannot really learn more
+(greedy accuracy on five- and six-term sums stays below 0.5), so longer problems only add all-wrong groups. The earlier
+default task (1 to 6 terms) is ``max_terms=6`` (`LEGACY_MAX_TERMS`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,14 @@ from typing import Any
 
 SEPARATOR = "|"
 _FORMAT_RE = re.compile(r"^(\d+(,\d+)*)?\|\d+$")
+DEFAULT_MAX_TERMS = 4
+LEGACY_MAX_TERMS = 6
+
+
+def max_completion_tokens(max_terms: int = DEFAULT_MAX_TERMS) -> int:
+    """An upper bound on the tokens of a correct completion with `max_terms` terms, EOS included: ``3·max_terms``
+    (k − 1 running sums of at most two digits, k − 2 commas, ``|``, a two-digit answer, EOS). 12 for four terms."""
+    return 3 * max_terms
 
 
 def make_problem(terms: list[int]) -> dict[str, Any]:
@@ -34,7 +47,7 @@ def arithmetic_dataset(
     *,
     seed: int = 0,
     min_terms: int = 1,
-    max_terms: int = 6,
+    max_terms: int = DEFAULT_MAX_TERMS,
     conversational: bool = False,
 ):
     """`n` problems; the number of terms is uniform on [min_terms, max_terms], each term uniform on 0..9.

@@ -4,16 +4,48 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import tempfile
+from dataclasses import dataclass
 
 from ._cache import cache_root, cached_build
-from .arithmetic import arithmetic_dataset, arithmetic_reward
+from .arithmetic import (
+    DEFAULT_MAX_TERMS,
+    LEGACY_MAX_TERMS,
+    arithmetic_dataset,
+    arithmetic_reward,
+    max_completion_tokens,
+)
 from .model import MODEL_VERSION, tiny_model_path
 
-WARMUP_VERSION = "v1"
-DEFAULT_WARMUP_STEPS = 500
+# Bump when a recipe changes, so stale cache entries are not reused.
+WARMUP_VERSION = "v2"
 WARMUP_BATCH_SIZE = 64
 WARMUP_LEARNING_RATE = 3e-3
+
+
+@dataclass(frozen=True)
+class WarmupRecipe:
+    """An SFT warm-up: `steps` steps of 64 problems with 1 to `max_terms` terms, cosine lr 3e-3.
+
+    `repeat_fraction` of the SFT completions repeat the answer after it (``"8,10|10|10"``), a habit the strict reward
+    scores 0: a warm-up flaw that RL can fix (as RL fixes a real SFT model's formatting and stopping habits), so the
+    testbed has room to improve that is shared by every prompt, not only per-problem arithmetic.
+    """
+
+    steps: int
+    max_terms: int
+    repeat_fraction: float = 0.0
+
+
+WARMUP_RECIPES = {
+    # The default: 1-4 terms, 1000 steps, 30% repeated answers. Held-out (512 problems): greedy 0.99, sampled (T=1)
+    # 0.65 (0.77 for one term, 0.54 for four): the arithmetic is learnt, sampling at T=1 and the habit are not.
+    "default": WarmupRecipe(steps=1000, max_terms=DEFAULT_MAX_TERMS, repeat_fraction=0.3),
+    # The earlier default (1-6 terms, 500 clean steps), on which plain GRPO does not learn (BENCHMARKS.md).
+    "sums6": WarmupRecipe(steps=500, max_terms=LEGACY_MAX_TERMS, repeat_fraction=0.0),
+}
+DEFAULT_WARMUP_STEPS = WARMUP_RECIPES["default"].steps
 
 
 @contextlib.contextmanager
@@ -49,12 +81,20 @@ def _quiet_datasets():
             ds_logging.enable_progress_bar()
 
 
-def _warmup_dataset(n: int, seed: int):
-    ds = arithmetic_dataset(n, seed=seed)
-    return ds.map(lambda r: {"prompt": r["prompt"], "completion": r["solution"]}, remove_columns=ds.column_names)
+def warmup_dataset(n: int, seed: int, recipe: WarmupRecipe):
+    """The SFT data of `recipe`: prompt-completion rows, `recipe.repeat_fraction` of them with the answer repeated."""
+    ds = arithmetic_dataset(n, seed=seed, max_terms=recipe.max_terms)
+    rng = random.Random(seed + 1)
+    repeat = [rng.random() < recipe.repeat_fraction for _ in range(n)]
+    completions = [
+        sol + ("|" + ans if r else "") for sol, ans, r in zip(ds["solution"], ds["answer"], repeat, strict=True)
+    ]
+    from datasets import Dataset
+
+    return Dataset.from_dict({"prompt": list(ds["prompt"]), "completion": completions})
 
 
-def _run_warmup(base: str, out: str, *, seed: int, steps: int) -> None:
+def _run_warmup(base: str, out: str, *, seed: int, steps: int, recipe: WarmupRecipe) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import SFTConfig, SFTTrainer
@@ -62,7 +102,7 @@ def _run_warmup(base: str, out: str, *, seed: int, steps: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     with tempfile.TemporaryDirectory() as scratch, torch_threads(1), _quiet_datasets():
-        train = _warmup_dataset(steps * WARMUP_BATCH_SIZE, seed=10_000 + seed)
+        train = warmup_dataset(steps * WARMUP_BATCH_SIZE, seed=10_000 + seed, recipe=recipe)
         args = SFTConfig(
             output_dir=scratch,
             max_steps=steps,
@@ -93,18 +133,23 @@ def _run_warmup(base: str, out: str, *, seed: int, steps: int) -> None:
 
 
 def warmed_up_model_path(
-    cache_dir: str | os.PathLike | None = None, *, seed: int = 0, steps: int | None = None
+    cache_dir: str | os.PathLike | None = None, *, seed: int = 0, steps: int | None = None, recipe: str = "default"
 ) -> str:
     """`tiny_model_path` after a short SFT warm-up (prompt-completion, loss on the completion only).
 
-    The warm-up stops early on purpose: sampled at temperature 1 the model solves short problems and fails many
-    long ones, so GRPO groups have reward variance. Cached like `tiny_model_path` (one entry per seed and steps).
+    `recipe` names an entry of `WARMUP_RECIPES` (`steps` overrides its step count). The default warm-up stops early
+    and teaches a habit the reward punishes (see `WarmupRecipe`): sampled at temperature 1 the model solves most short
+    problems and few long ones, so GRPO groups have reward variance and GRPO has room to improve. Cached like
+    `tiny_model_path` (one entry per seed, recipe and steps; ~40 s to build on one core).
     """
-    steps = DEFAULT_WARMUP_STEPS if steps is None else int(steps)
+    if recipe not in WARMUP_RECIPES:
+        raise ValueError(f"recipe must be one of {sorted(WARMUP_RECIPES)}, got {recipe!r}")
+    spec = WARMUP_RECIPES[recipe]
+    steps = spec.steps if steps is None else int(steps)
     root = cache_root(cache_dir)
     base = tiny_model_path(root, seed=seed)
-    name = f"warm-{MODEL_VERSION}{WARMUP_VERSION}-seed{seed}-steps{steps}"
-    return cached_build(root, name, lambda out: _run_warmup(base, out, seed=seed, steps=steps))
+    name = f"warm-{MODEL_VERSION}{WARMUP_VERSION}-{recipe}-seed{seed}-steps{steps}"
+    return cached_build(root, name, lambda out: _run_warmup(base, out, seed=seed, steps=steps, recipe=spec))
 
 
 def _load(model_path_or_model, tokenizer=None):
@@ -132,8 +177,8 @@ def sample_completions(
     num_generations: int = 1,
     do_sample: bool = False,
     temperature: float = 1.0,
-    max_new_tokens: int = 24,
-    batch_size: int = 128,
+    max_new_tokens: int = max_completion_tokens(),
+    batch_size: int = 512,
     seed: int = 0,
     num_threads: int | None = 1,
 ) -> list[str]:
@@ -175,10 +220,13 @@ def evaluate_accuracy(
     do_sample: bool = False,
     temperature: float = 1.0,
     min_terms: int = 1,
-    max_terms: int = 6,
-    max_new_tokens: int = 24,
+    max_terms: int = DEFAULT_MAX_TERMS,
+    max_new_tokens: int | None = None,
 ) -> float:
-    """Fraction of `n` held-out problems (drawn with `seed`) solved; greedy unless `do_sample`."""
+    """Fraction of `n` held-out problems (drawn with `seed`) solved; greedy unless `do_sample`.
+
+    `max_new_tokens` defaults to `max_completion_tokens(max_terms)`, the training cap of the embedded recipes."""
+    max_new_tokens = max_completion_tokens(max_terms) if max_new_tokens is None else max_new_tokens
     ds = arithmetic_dataset(n, seed=seed, min_terms=min_terms, max_terms=max_terms)
     completions = sample_completions(
         model_path_or_model,

@@ -1,0 +1,120 @@
+"""The token-efficiency benchmark's baselines (benchmarks/baselines.py): the row rules, and the trainers on a tiny
+model (the zero-advantage filter must give exactly GRPO's update)."""
+
+import itertools
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+from baselines import (  # noqa: E402
+    MaxVarianceTrainer,
+    ZeroAdvantageFilterTrainer,
+    group_advantages,
+    max_variance_subset,
+    zero_advantage_filter,
+)
+
+
+def test_zero_advantage_filter():
+    a = torch.tensor([0.0, 1.2, -0.5, 0.0, 3.0])
+    assert zero_advantage_filter(a).tolist() == [1, 2, 4]
+    assert zero_advantage_filter(torch.zeros(4)).tolist() == [0]  # nothing informative: one row, no gradient
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_max_variance_subset_matches_brute_force(seed):
+    gen = torch.Generator().manual_seed(seed)
+    g = int(torch.randint(2, 9, (1,), generator=gen))
+    rewards = torch.randint(0, 2, (g,), generator=gen).float() if seed % 2 else torch.rand(g, generator=gen)
+    for m in range(1, g + 1):
+        idx = max_variance_subset(rewards, m)
+        assert len(idx) == m and len(set(idx.tolist())) == m and idx.tolist() == sorted(idx.tolist())
+        best = max(float(rewards[list(c)].var(unbiased=False)) for c in itertools.combinations(range(g), m))
+        assert float(rewards[idx].var(unbiased=False)) == pytest.approx(best, abs=1e-9)
+
+
+def test_max_variance_subset_binary_keeps_a_balanced_mix():
+    rewards = torch.tensor([1.0, 0, 0, 0, 0, 0, 1, 0])
+    idx = max_variance_subset(rewards, 4)
+    assert sorted(rewards[idx].tolist()) == [0.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="need 1 <= m"):
+        max_variance_subset(rewards, 9)
+
+
+def test_group_advantages_is_trl_formula():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0])
+    assert torch.allclose(group_advantages(r), (r - r.mean()) / (r.std() + 1e-4))
+    assert torch.equal(group_advantages(torch.ones(3)), torch.zeros(3))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Trainers (tiny random model, one or two steps)
+
+
+def parity_reward(completions, **kwargs):
+    """1 for an even-length completion: a random model gets reward variance in most groups."""
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+def _trainer(cls, tmp_path, name, tiny_model_path, **overrides):
+    from trl_costaware import CostAwareGRPOConfig
+    from trl_costaware.embedded import arithmetic_dataset
+
+    settings = dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=8,
+        max_steps=1,
+        learning_rate=1e-2,
+        loss_type="dapo",
+        beta=0.0,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        seed=0,
+        disable_tqdm=True,
+        logging_steps=1,
+    )
+    args = CostAwareGRPOConfig(**{**settings, **overrides})
+    return cls(tiny_model_path, [parity_reward], args=args, train_dataset=arithmetic_dataset(64, seed=0))
+
+
+@pytest.mark.slow
+def test_zero_advantage_filter_is_exactly_grpo(tmp_path, tiny_model_path):
+    from trl_costaware import CostAwareGRPOTrainer
+
+    grpo = _trainer(CostAwareGRPOTrainer, tmp_path, "grpo", tiny_model_path, cost_aware=False)
+    grpo.train()
+    filt = _trainer(ZeroAdvantageFilterTrainer, tmp_path, "filter", tiny_model_path, cost_aware=True)
+    filt.train()
+    kept = filt._cost_aware_totals["rows_kept"] / filt._cost_aware_totals["rows_generated"]
+    assert 0 < kept < 1  # some groups had equal rewards and were dropped
+    assert filt._cost_aware_totals["policy_tokens"] < grpo._cost_aware_totals["policy_tokens"]
+    a, b = grpo.model.state_dict(), filt.model.state_dict()
+    moved = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert moved < 1e-5, moved
+
+
+@pytest.mark.slow
+def test_max_variance_trainer_keeps_half_of_each_group(tmp_path, tiny_model_path):
+    trainer = _trainer(
+        MaxVarianceTrainer, tmp_path, "pods", tiny_model_path, cost_aware=True, cost_aware_kept_fraction=0.5
+    )
+    trainer.train()
+    totals = trainer._cost_aware_totals
+    assert totals["rows_generated"] == 32 and totals["rows_kept"] == 16
+    logs = [h for h in trainer.state.log_history if "cost_aware/kept_row_fraction" in h]
+    assert logs and logs[0]["cost_aware/kept_row_fraction"] == 0.5
+
+
+def test_baselines_refuse_what_they_cannot_do(tmp_path, tiny_model_path):
+    with pytest.raises(ValueError, match="needs cost_aware=True"):
+        _trainer(ZeroAdvantageFilterTrainer, tmp_path, "x", tiny_model_path, cost_aware=False)
+    with pytest.raises(ValueError, match="beta=0"):
+        _trainer(ZeroAdvantageFilterTrainer, tmp_path, "y", tiny_model_path, cost_aware=True, beta=0.1)

@@ -1,0 +1,62 @@
+"""`make demo` (trl_costaware.demo): the target rule, tokens to target, and the summary of a tiny run."""
+
+import json
+
+import pytest
+
+from trl_costaware import demo
+
+
+def _curve(accs, tokens_per_point=1000.0):
+    return [{"step": 5 * i, "policy_tokens": tokens_per_point * i, "heldout_acc": a} for i, a in enumerate(accs)]
+
+
+def test_target_is_start_plus_80_percent_of_grpo_improvement():
+    target, why = demo.demo_target(_curve([0.40, 0.45, 0.50, 0.58, 0.60, 0.62]), n=512)
+    assert target == pytest.approx(0.40 + 0.8 * (0.60 - 0.40))
+    assert "80%" in why
+
+
+def test_no_target_when_grpo_does_not_improve_beyond_noise():
+    # +0.02 on 512 problems is below 2 standard errors of a difference (~0.06): no claim.
+    target, why = demo.demo_target(_curve([0.40, 0.43, 0.38, 0.41, 0.42, 0.43]), n=512)
+    assert target is None and "not above the noise" in why
+    assert demo.tokens_to_target(_curve([0.4, 0.9]), None) is None
+
+
+def test_tokens_to_target_first_evaluation_at_or_above():
+    curve = _curve([0.40, 0.47, 0.52, 0.49, 0.60])
+    assert demo.tokens_to_target(curve, 0.52) == 2000.0
+    assert demo.tokens_to_target(curve, 0.61) is None
+
+
+@pytest.mark.slow
+def test_demo_summary_of_a_tiny_run(tmp_path, tiny_model_path):
+    out = tmp_path / "demo"
+    summary = demo.run_demo(
+        steps=2,
+        seed=0,
+        output_dir=str(out),
+        eval_every=1,
+        eval_n=16,
+        settings={"per_device_train_batch_size": 32, "num_generations": 8},
+        progress=False,
+        model_path=tiny_model_path,
+    )
+    on_disk = json.loads((out / "summary.json").read_text())
+    assert set(on_disk["arms"]) == {"grpo", "cost_aware_grpo"}
+    for arm in on_disk["arms"].values():
+        for key in ("heldout_accuracy_start", "heldout_accuracy_end", "policy_tokens", "tokens_to_target"):
+            assert key in arm
+        assert 0.0 <= arm["heldout_accuracy_start"] <= 1.0 and 0.0 <= arm["heldout_accuracy_end"] <= 1.0
+        assert [p["step"] for p in arm["curve"]] == [0, 1, 2]
+        tokens = [p["policy_tokens"] for p in arm["curve"]]
+        assert tokens[0] == 0 and tokens == sorted(tokens) and tokens[-1] == arm["policy_tokens"] > 0
+    grpo, ca = on_disk["arms"]["grpo"], on_disk["arms"]["cost_aware_grpo"]
+    assert ca["policy_tokens"] < grpo["policy_tokens"]  # same rollouts, about half of them trained on
+    assert grpo["heldout_accuracy_start"] == ca["heldout_accuracy_start"]  # same checkpoint, same held-out draw
+    # The random model does not learn in 2 steps: no target, so no tokens-to-target claim.
+    assert on_disk["target"] is None and grpo["tokens_to_target"] is None and ca["tokens_to_target"] is None
+    assert (out / "heldout_accuracy.png").stat().st_size > 1000
+    text = demo.format_summary(summary)
+    assert "No tokens-to-target claim" in text and "no target" in text
