@@ -368,22 +368,6 @@ def test_model_loads_by_path_like_a_hub_id(model_path):
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
-def test_vllm_importance_sampling_path_defers_only_the_reference_pass(tmp_path, model_path, dataset):
-    """With vLLM IS correction, TRL consumes the old-policy log-probs of every row at once: that first pass runs for
-    real, and the reference pass is still deferred to the kept rows (code path only; vLLM itself needs a GPU)."""
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=make_args(tmp_path), train_dataset=dataset)
-    trainer.use_vllm, trainer.vllm_importance_sampling_correction = True, True
-    ids = torch.randint(4, 50, (2, 6))
-    mask = torch.ones_like(ids)
-    with trainer._deferred_scoring_logps() as calls:
-        old, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3)
-        ref, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, 3)
-    assert old is not None and old.shape == (2, 3)
-    assert ref is None
-    assert calls == ["computed", "deferred"]
-    assert "_get_per_token_logps_and_entropies" not in vars(trainer)  # the method is restored
-
-
 # ---------------------------------------------------------------- TRL's options
 def _record_draws(trainer):
     """Wrap `_draw_kept_rows`: keep each generation batch (as the sampler saw it) and the drawn indices."""

@@ -115,7 +115,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         batch = select_rows(batch, kept.to(advantages.device))
         batch["advantages"] = batch["advantages"] * factors.to(device=advantages.device, dtype=advantages.dtype)
         # The deferred passes run per micro-batch, on the tensors the policy pass will see (_process_new_buffer).
-        self._deferred_passes = self._passes_to_run(scoring["calls"])
+        self._deferred_passes = self._passes_to_run(scoring["calls"], batch)
         return batch
 
     @contextmanager
@@ -163,12 +163,21 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             return mask.sum(-1)
         return torch.tensor(recorded, device=mask.device)
 
-    def _passes_to_run(self, calls) -> tuple[bool, bool]:
+    def _passes_to_run(self, calls, batch) -> tuple[bool, bool]:
         """(old policy, reference): which deferred passes TRL asked for. TRL runs the old-policy pass first (when
-        needed), then the reference pass (when beta != 0)."""
-        deferred = calls.count("deferred")
-        has_ref = self.beta != 0.0
-        return deferred - int(has_ref) == 1, has_ref and deferred > 0
+        needed), then the reference pass (when beta != 0).
+
+        Under vLLM importance-sampling correction TRL ran the old-policy pass over every row, with the generation
+        batch's padding, only to form its vLLM ratio (already in the batch). Those log-probs are dropped: when the
+        clipped ratio needs old log-probs (steps misaligned, or num_iterations > 1) they are recomputed per kept
+        micro-batch like any deferred pass; otherwise TRL uses the policy pass's own detached log-probs. Either way the
+        ratio is exactly 1 at the first micro-step, as in TRL."""
+        has_ref = self.beta != 0.0 and "deferred" in calls
+        if calls[:1] == ["computed"]:
+            batch.pop("old_per_token_logps", None)
+            generate_every = self.args.steps_per_generation * self.num_iterations
+            return self.args.gradient_accumulation_steps % generate_every != 0, has_ref
+        return calls.count("deferred") - int(has_ref) == 1, has_ref
 
     def _compute_deferred_logps(self, chunk):
         """The old-policy / reference log-probs of one micro-batch, computed on the very tensors `_compute_loss` feeds

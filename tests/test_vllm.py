@@ -1,0 +1,255 @@
+"""TRL's vLLM paths (colocate and server) with cost-aware sampling on, on CPU.
+
+vLLM itself needs a GPU, so its engine is replaced by a stand-in; everything between the trainer and the engine is
+TRL's own code: `VLLMGeneration` (weight sync, prompt dedup, slicing, `extract_logprobs`) for both modes and, for the
+server mode, `VLLMClient` talking to a fake HTTP server (its `/v1/completions` JSON, parsed by TRL's `parse_logprobs`).
+Only the NCCL weight transfer of the server mode is replaced (it needs vLLM's communicator); the stand-in receives the
+weights through it all the same. The stand-in engine samples with the HF model it holds (loaded from the same path,
+updated by every weight sync) and returns processed log-probs, as vLLM does with `logprobs_mode="processed_logprobs"`.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from test_trainer import last_metric, length_reward, make_args, weights_of
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl.generation import vllm_client as client_module
+from trl.generation import vllm_generation as generation_module
+
+from trl_costaware import CostAwareGRPOTrainer
+from trl_costaware.embedded.arithmetic import arithmetic_dataset
+
+
+class StandInEngine:
+    """Samples completions with an HF copy of the policy; counts the weight syncs it receives."""
+
+    def __init__(self, model_path: str):
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
+        self.generator = torch.Generator().manual_seed(0)
+        self.synced = 0
+        self.calls = 0
+
+    def load_weights(self, named):
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, value in named:
+                params[name].copy_(value)
+                self.synced += 1
+
+    @torch.no_grad()
+    def sample(self, prompt_ids: list[int], n: int, max_tokens: int, temperature: float):
+        """n completions of one prompt: (token ids, log-prob of each sampled token after temperature scaling)."""
+        self.calls += 1
+        out = []
+        for _ in range(n):
+            ids, tokens, logps = list(prompt_ids), [], []
+            for _ in range(max_tokens):
+                logits = self.model(torch.tensor([ids])).logits[0, -1].float() / temperature
+                logp = torch.log_softmax(logits, -1)
+                token = int(torch.multinomial(logp.exp(), 1, generator=self.generator))
+                tokens.append(token)
+                logps.append(float(logp[token]))
+                ids.append(token)
+                if token == self.eos:
+                    break
+            out.append((tokens, logps))
+        return out
+
+
+# ---------------------------------------------------------------- colocate: a stand-in for vllm.LLM
+class StandInLLM:
+    engine: StandInEngine | None = None
+
+    def __init__(self, model, **kwargs):
+        StandInLLM.engine = StandInEngine(model)
+        runner = types.SimpleNamespace(model=types.SimpleNamespace(load_weights=StandInLLM.engine.load_weights))
+        worker = types.SimpleNamespace(model_runner=runner)
+        self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
+        self.kwargs = kwargs
+
+    def generate(self, prompts, sampling_params, use_tqdm=False):
+        outputs = []
+        for prompt in prompts:
+            ids = prompt["prompt_token_ids"]
+            samples = self.engine.sample(
+                ids, sampling_params.n, sampling_params.max_tokens, sampling_params.temperature
+            )
+            completions = [
+                types.SimpleNamespace(
+                    token_ids=tokens,
+                    logprobs=[
+                        {t: types.SimpleNamespace(logprob=lp, rank=1)} for t, lp in zip(tokens, lps, strict=True)
+                    ],
+                )
+                for tokens, lps in samples
+            ]
+            outputs.append(types.SimpleNamespace(prompt_token_ids=ids, outputs=completions))
+        return outputs
+
+    def reset_prefix_cache(self):
+        pass
+
+
+class StandInSamplingParams:
+    def __init__(self, n=1, max_tokens=16, temperature=1.0, **kwargs):
+        self.n, self.max_tokens, self.temperature = n, max_tokens, temperature
+
+
+# ---------------------------------------------------------------- server: a fake HTTP server for TRL's VLLMClient
+class Response:
+    def __init__(self, payload, status=200):
+        self.status_code, self._payload, self.headers, self.text = status, payload, {}, str(payload)
+
+    def json(self):
+        return self._payload
+
+
+class FakeServer:
+    engine: StandInEngine | None = None
+    model_path: str = ""
+
+    @classmethod
+    def route(cls, method: str, url: str, json=None, **kwargs) -> Response:
+        path = "/" + url.split("/", 3)[3]
+        if method == "GET" and path == "/health":
+            return Response({})
+        if method == "GET" and path == "/v1/models":
+            return Response({"data": [{"id": "stand-in"}]})
+        if method == "GET" and path == "/server_info":
+            return Response({"vllm_config": {"model_config": {"logprobs_mode": "processed_logprobs"}}})
+        if method == "POST" and path == "/reset_prefix_cache":
+            return Response({})
+        if method == "POST" and path == "/v1/completions":
+            choices = []
+            for ids in json["prompt"]:
+                for tokens, lps in cls.engine.sample(ids, json["n"], json["max_tokens"], json["temperature"]):
+                    content = [
+                        {"token": f"token_id:{t}", "logprob": lp, "top_logprobs": []}
+                        for t, lp in zip(tokens, lps, strict=True)
+                    ]
+                    choices.append({"prompt_token_ids": ids, "token_ids": tokens, "logprobs": {"content": content}})
+            return Response({"choices": choices})
+        return Response({"detail": "not found"}, status=404)
+
+
+class FakeSession:
+    def mount(self, *args):
+        pass
+
+    def get(self, url, **kwargs):
+        return FakeServer.route("GET", url, **kwargs)
+
+    def post(self, url, **kwargs):
+        return FakeServer.route("POST", url, **kwargs)
+
+
+fake_requests = types.SimpleNamespace(
+    Session=FakeSession,
+    get=lambda url, **kw: FakeServer.route("GET", url, **kw),
+    exceptions=types.SimpleNamespace(RequestException=OSError),
+)
+
+
+@pytest.fixture
+def stand_in_vllm(monkeypatch, tiny_model_path):
+    """Both vLLM modes wired to the stand-in engine; returns a function giving the engine in use."""
+    monkeypatch.setattr(generation_module, "is_vllm_available", lambda: True)
+    monkeypatch.setattr(client_module, "is_vllm_available", lambda: True)
+    monkeypatch.setattr(generation_module, "LLM", StandInLLM, raising=False)
+    monkeypatch.setattr(generation_module, "SamplingParams", StandInSamplingParams, raising=False)
+    monkeypatch.setattr(client_module, "requests", fake_requests, raising=False)
+    FakeServer.engine = StandInEngine(tiny_model_path)
+    # The NCCL weight transfer needs vLLM's communicator: the stand-in receives the named tensors directly.
+    monkeypatch.setattr(client_module.VLLMClient, "init_communicator", lambda self, device=0: None)
+    monkeypatch.setattr(
+        client_module.VLLMClient,
+        "update_named_params",
+        lambda self, metadata, params: FakeServer.engine.load_weights((n, p.detach().clone()) for n, p in params),
+    )
+
+    def engine(mode):
+        return StandInLLM.engine if mode == "colocate" else FakeServer.engine
+
+    return engine
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    return arithmetic_dataset(64, seed=0)
+
+
+@pytest.mark.parametrize("mode", ["colocate", "server"])
+@pytest.mark.parametrize("correction", [True, False])
+def test_vllm_paths_train_with_cost_aware_sampling(
+    tmp_path, tiny_model_path, dataset, stand_in_vllm, monkeypatch, mode, correction
+):
+    """Both modes train with cost-aware sampling on; with TRL's importance-sampling correction the old-policy pass runs
+    over every generated row (TRL needs all of them for its ratio) and the reference pass over the kept rows only;
+    without it, no old-policy pass runs at all (steps aligned) and only the kept rows reach a forward pass."""
+    args = make_args(
+        tmp_path,
+        use_vllm=True,
+        vllm_mode=mode,
+        vllm_importance_sampling_correction=correction,
+        beta=0.05,
+        max_steps=2,
+        cost_aware_kept_fraction=0.5,
+    )
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    rows = []
+    trainer.model.register_forward_pre_hook(
+        lambda mod, a, kw: (
+            rows.append((kw["input_ids"].shape[0], torch.is_grad_enabled())) if "labels" in kw else None
+        ),
+        with_kwargs=True,
+    )
+    before = weights_of(trainer.model)
+    trainer.train()
+    engine = stand_in_vllm(mode)
+    assert engine.calls > 0 and engine.synced > 0  # generation went through the stand-in, weights were pushed
+    assert not torch.equal(before, weights_of(trainer.model))
+    n, m = 8, 4
+    no_grad = [r for r, grad in rows if not grad]  # policy-model passes without grad: old-policy log-probs
+    # The reference model is a separate module (beta > 0, no PEFT): its passes are not in `rows`.
+    assert no_grad == ([n, n] if correction else []), no_grad  # TRL's pass for its vLLM ratio, over every row
+    assert [r for r, grad in rows if grad] == [m, m]
+    assert last_metric(trainer, "cost_aware/batch_rows_kept") == m
+    if correction:
+        assert last_metric(trainer, "sampling/importance_sampling_ratio/mean") == pytest.approx(1.0, abs=0.05)
+
+
+def test_vllm_correction_misaligned_steps_ratio_exact(tmp_path, tiny_model_path, dataset, stand_in_vllm):
+    """Under the vLLM correction with misaligned steps, the old log-probs the clipped ratio uses are recomputed on the
+    kept micro-batches (TRL's full-batch ones had other padding): equal to the policy pass's before the first
+    update."""
+    args = make_args(
+        tmp_path,
+        use_vllm=True,
+        vllm_mode="colocate",
+        steps_per_generation=4,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+    )
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    pairs = []
+    original_loss, original_logps = trainer._compute_loss, trainer._get_per_token_logps_and_entropies
+
+    def logps(model, *a, **kw):
+        out = original_logps(model, *a, **kw)
+        if kw.get("compute_entropy"):
+            pairs[-1]["new"] = out[0].detach()
+        return out
+
+    def loss(model, inputs):
+        pairs.append({"old": inputs["old_per_token_logps"], "mask": inputs["completion_mask"].bool()})
+        return original_loss(model, inputs)
+
+    trainer._compute_loss, trainer._get_per_token_logps_and_entropies = loss, logps
+    trainer.train()
+    assert len(pairs) == 2
+    for pair in pairs:
+        assert torch.equal(pair["old"][pair["mask"]], pair["new"][pair["mask"]])
