@@ -439,7 +439,7 @@ def test_two_nodes_static_rendezvous(launch, tiny_model, tmp_path):
 
 # ---------------------------------------------------------------------------------------------------- zero-signal rank
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("backend", ["ddp", pytest.param("zero3", marks=DEEPSPEED)])
+@pytest.mark.parametrize("backend", ["ddp", "ddp_budget", pytest.param("zero3", marks=DEEPSPEED)])
 def test_rank_without_signal(tiny_model, tmp_path, backend):
     """Rank 1's rewards are constant (all its advantages are 0), rank 0's vary: no hang, identical weights, and the
     metrics report one zero-signal rank. Launched with torchrun; ZeRO-3 via `CostAwareGRPOConfig(deepspeed=...)`, and
@@ -481,18 +481,34 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
             "bf16": {"enabled": "auto"},
         }
         (tmp_path / "zero3.json").write_text(json.dumps(ds))
-        cmd += ["--deepspeed", str(tmp_path / "zero3.json"), "--token-budget", "60"]
+        cmd += ["--deepspeed", str(tmp_path / "zero3.json")]
+    if backend != "ddp":
+        cmd += ["--token-budget", "60"]
     seconds = run(cmd, tmp_path / "log.txt")
     print(f"[rank_without_signal-{backend}] {seconds:.1f} s")
     result = load_result(out)  # identical weights on both ranks
     records = result["records"]
     if backend == "zero3":
         assert [r["zero_stage"] for r in records] == [3, 3]
+    if backend != "ddp":
+        from trl_costaware.sampling import capped_kept_count, kept_row_count
+
         own_counts = list(zip(records[0]["budget_rows"], records[1]["budget_rows"], strict=True))
         assert any(a != b for a, b in own_counts), (
             f"the budget no longer gives the ranks different row counts {own_counts}: retune --token-budget so the "
             "test still covers the min-over-ranks path"
         )
+        eligible = list(zip(records[0]["eligible_rows"], records[1]["eligible_rows"], strict=True))
+        n, spg = 8, 2  # rows per rank per generation batch, micro-steps per generation batch
+        told_apart = 0
+        for (b0, b1), (k0, k1), m0, m1 in zip(
+            own_counts, eligible, records[0]["kept"], records[1]["kept"], strict=True
+        ):
+            # The smallest budget count over ranks, then capped by the busiest rank's eligible rows: equal everywhere.
+            expected = capped_kept_count(kept_row_count(n, min(b0, b1) / n, spg), max(k0, k1), spg)
+            assert m0 == m1 == expected, (b0, b1, k0, k1, m0, m1)
+            told_apart += expected != capped_kept_count(kept_row_count(n, max(b0, b1) / n, spg), max(k0, k1), spg)
+        assert told_apart, "no generation batch where the largest count would differ: retune --token-budget"
 
     _check_global_weights(records)  # one global weight vector, each rank its slice
     r0, r1 = records
@@ -511,7 +527,6 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
         assert 0.0 < h["cost_aware/informative_fraction"] <= 0.5  # rank 1's half of the rows carries nothing
         if backend == "ddp":
             assert h["cost_aware/kept_row_fraction"] == 0.5  # rank 1 still trained its zero-weight rows
-        assert h["cost_aware/count_check"] == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------- the example

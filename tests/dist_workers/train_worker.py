@@ -152,7 +152,7 @@ def main(argv=None) -> int:
     )
 
     # Record what the sampler normalised (the weights of all ranks) and what this rank applied.
-    record = {"global_weights": [], "factors": [], "kept": [], "budget_rows": []}
+    record = {"global_weights": [], "factors": [], "kept": [], "budget_rows": [], "eligible_rows": []}
     original_normalize = trainer_module.normalize_weights
     original_budget = trainer_module.kept_rows_for_token_budget
     original_draw = trainer._draw_kept_rows
@@ -173,6 +173,14 @@ def main(argv=None) -> int:
         record["budget_rows"].append(m_local)  # this rank's own count, before the min over ranks
         return m_local
 
+    original_eligible = trainer_module.eligible_rows
+
+    def eligible_and_record(*a, **kw):
+        eligible = original_eligible(*a, **kw)
+        record["eligible_rows"].append(int(eligible.sum()))  # this rank's rows that can carry gradient
+        return eligible
+
+    trainer_module.eligible_rows = eligible_and_record
     trainer_module.normalize_weights = normalize_and_record
     trainer_module.kept_rows_for_token_budget = budget_and_record
     trainer._draw_kept_rows = draw_and_record
