@@ -498,3 +498,56 @@ def test_infinite_cost_makes_a_row_expensive_not_cheap():
     adv = torch.ones(3)
     p = sampling_distribution(sampling_scores(adv, torch.tensor([1.0, float("inf"), 4.0]), "advantage"))
     assert float(p[1]) < float(p[2]) < float(p[0])
+
+
+# --- the support: rows that can carry gradient --------------------------------------------------------------------
+
+
+def test_eligible_rows_rule():
+    adv = torch.tensor([1.0, 0.0, -2.0, math.nan, 3.0])
+    tokens = torch.tensor([5.0, 5.0, 5.0, 5.0, 0.0])  # the last row's loss mask is empty (e.g. a truncated row)
+    assert sampling.eligible_rows(adv, tokens, False).tolist() == [True, False, True, False, False]
+    assert sampling.eligible_rows(adv, tokens, True).tolist() == [True, True, True, True, False]
+
+
+@FAST
+@given(ac=adv_cost(), alpha=st.floats(0.0, 1.0), data=st.data())
+def test_distribution_lives_on_the_support(ac, alpha, data):
+    adv, costs = ac
+    support = torch.tensor(data.draw(st.lists(st.booleans(), min_size=len(adv), max_size=len(adv))))
+    p = sampling_distribution(sampling_scores(adv, costs), alpha, support=support)
+    assert torch.isfinite(p).all() and (p >= 0).all() and math.isclose(float(p.sum()), 1.0, rel_tol=1e-9)
+    if support.any():
+        assert (p[~support] == 0).all()  # no probability, smoothing included, outside the support
+        if alpha > 0:
+            assert (p[support] >= alpha / int(support.sum()) * (1 - 1e-9)).all()  # smoothing spreads over S only
+    else:
+        assert torch.allclose(p, uniform(len(adv)))
+
+
+@FAST
+@given(pm=prob_and_m(), data=st.data())
+def test_filler_goes_to_preferred_rows_first(pm, data):
+    p, m = pm
+    n = len(p)
+    filler = torch.tensor(data.draw(st.lists(st.sampled_from([0.0, 0.5, 2.0]), min_size=n, max_size=n)))
+    pi = inclusion_probabilities(p, m, filler)
+    assert math.isclose(float(pi.sum()), m, rel_tol=1e-9) and (pi >= 0).all() and (pi <= 1 + 1e-12).all()
+    positive = p > 0
+    if int(positive.sum()) <= m:
+        assert (pi[positive] == 1).all()  # every row with p > 0 is kept for sure
+        rest = ~positive
+        preferred = rest & (filler > 0)
+        if int(positive.sum()) + int(preferred.sum()) <= m and (rest & ~preferred).any():
+            assert (pi[preferred] == 1).all()  # preferred fillers before the others
+        if int(positive.sum()) + int(preferred.sum()) >= m:
+            assert (pi[rest & ~preferred] == 0).all()
+
+
+def test_capped_kept_count():
+    # m never exceeds the busiest rank's eligible rows (rounded down to the micro-step multiple), at least k.
+    assert sampling.capped_kept_count(8, 16, 2) == 8
+    assert sampling.capped_kept_count(8, 5, 2) == 4
+    assert sampling.capped_kept_count(8, 5, 1) == 5
+    assert sampling.capped_kept_count(8, 1, 2) == 2
+    assert sampling.capped_kept_count(8, 0, 4) == 4

@@ -123,8 +123,8 @@ def sampling_distribution(
         raise ValueError("cannot build a sampling distribution over zero rows")
     inside = torch.ones(n, dtype=torch.bool) if support is None else support.to(torch.bool).cpu()
     inside = inside.to(s.device)
-    if not inside.any():
-        inside = torch.ones_like(inside)
+    if not inside.any():  # nothing carries gradient: any draw is as good, take the uniform one
+        inside, s = torch.ones_like(inside), torch.zeros_like(s)
     s = torch.where(inside, s, torch.zeros_like(s))
     uniform = inside.double() / int(inside.sum())
     total = s.sum()
