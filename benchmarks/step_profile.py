@@ -64,7 +64,12 @@ ARMS = {
     "grpo": {"cost_aware": False},
     "cost_aware": {"cost_aware": True, "cost_aware_weight_normalization": "none"},
     "cost_aware_recenter": {"cost_aware": True, "cost_aware_weight_normalization": "recenter"},
+    # Same generation batch and sample as `cost_aware`, laid out into full micro-batches: per_device_train_batch_size
+    # divided by the kept fraction and gradient_accumulation_steps multiplied by it (docs/trainer.md, "Micro-batch
+    # layout"), so each micro-batch holds --micro-batch kept rows and there are fewer of them.
+    "cost_aware_packed": {"cost_aware": True, "cost_aware_weight_normalization": "none"},
 }
+PACKED_ARMS = ("cost_aware_packed",)
 
 
 # ---------------------------------------------------------------------------------------------------- model and data
@@ -296,6 +301,14 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
             f"{opts.num_generations}"
         )
     accumulation = opts.rollouts // micro
+    if arm in PACKED_ARMS:
+        packed = round(micro / opts.kept_fraction)
+        if abs(packed * opts.kept_fraction - micro) > 1e-9 or opts.rollouts % packed:
+            raise SystemExit(
+                f"{arm}: --micro-batch {micro} / --kept-fraction {opts.kept_fraction} must be a whole number of rows "
+                f"dividing --rollouts {opts.rollouts}"
+            )
+        micro, accumulation = packed, opts.rollouts // packed
     prompts_per_step = opts.rollouts // opts.num_generations
     data = Dataset.from_dict({"prompt": random_prompts(prompts_per_step * opts.steps, opts.prompt_length, opts.seed)})
     generation_kwargs = None
@@ -345,6 +358,8 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
         {
             "arm": arm,
             "settings": ARMS[arm],
+            "micro_batches_per_step": accumulation,
+            "rows_per_micro_batch": micro * (opts.kept_fraction if ARMS[arm]["cost_aware"] else 1.0),
             "train_seconds": wall,
             "totals": totals,
             "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
@@ -388,17 +403,23 @@ def markdown(result: dict) -> str:
     lines.append("| **step** | " + " | ".join(step) + " |" + " |" * (2 * len(result["arms"])))
     lines += [
         "",
-        "| arm | step s | vs grpo | policy tokens / step | rollout tokens / step | peak GiB |",
-        "|---|---|---|---|---|---|",
+        "| arm | step s | vs grpo | micro-batches × rows | policy tokens / step (vs grpo) "
+        "| policy fwd+bwd s (vs grpo) | rollout tokens / step | peak GiB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     base = next((a for a in result["arms"] if a["arm"] == "grpo"), None)
     n_steps = max(s["steps"], 1)
     for a in result["arms"]:
         ratio = f"{a['step_seconds'] / base['step_seconds']:.2f}×" if base and base["step_seconds"] else "—"
         peak = a["peak_memory_gib"] if a["peak_memory_gib"] is not None else a["max_rss_gib"]
+        tokens, policy = a["totals"]["policy_tokens"], a["phases"]["policy forward+backward"]["seconds_per_step"]
+        tok_ratio = f" ({tokens / base['totals']['policy_tokens']:.2f}×)" if base else ""
+        base_policy = base["phases"]["policy forward+backward"]["seconds_per_step"] if base else 0
+        pol_ratio = f" ({policy / base_policy:.2f}×)" if base_policy else ""
+        layout = f"{a.get('micro_batches_per_step', '—')} × {_fmt(a.get('rows_per_micro_batch'), '{:g}')}"
         lines.append(
-            f"| {a['arm']} | {a['step_seconds']:.3f} | {ratio} | {a['totals']['policy_tokens'] / n_steps:,.0f} | "
-            f"{a['totals']['rollout_tokens'] / n_steps:,.0f} | {_fmt(peak, '{:.2f}')} |"
+            f"| {a['arm']} | {a['step_seconds']:.3f} | {ratio} | {layout} | {tokens / n_steps:,.0f}{tok_ratio} | "
+            f"{policy:.3f}{pol_ratio} | {a['totals']['rollout_tokens'] / n_steps:,.0f} | {_fmt(peak, '{:.2f}')} |"
         )
     memory = "CUDA max_memory_allocated" if s["device"] == "cuda" else "process RSS (CPU; peak GiB: max RSS)"
     lines += ["", f"Memory: {memory}. Token counts are means over all steps (warm-up included)."]

@@ -207,6 +207,16 @@ def test_reward_names_resolve():
         main(["--reward_funcs", "no_such_reward", "--bf16", "false", "--report_to", "none", "--output_dir", "unused"])
 
 
+def test_math_accuracy_without_math_verify_fails_at_resolution(monkeypatch):
+    """--reward_funcs math_accuracy without the `math` extra: the error names the extra before any model loads."""
+    from trl_costaware.train_script import resolve_reward_funcs
+
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` raise ImportError
+    with pytest.raises(ImportError, match=r"trl-costaware\[math\]"):
+        resolve_reward_funcs(["gsm8k_accuracy", "math_accuracy"])
+    assert len(resolve_reward_funcs(["gsm8k_accuracy"])) == 1
+
+
 # ---------------------------------------------------------------------------------------------------- recipes
 def test_real_recipe_parses(monkeypatch):
     monkeypatch.setenv("WANDB_PROJECT", "unchanged")  # restored after the test; the recipe's `env` sets it

@@ -111,6 +111,10 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
     funcs = []
     for name in names:
         if name in registry:
+            if name == "math_accuracy":
+                from .rewards import _require_math_verify
+
+                _require_math_verify()  # fail here, before the model loads, not at the first reward call
             funcs.append(registry[name])
             continue
         if ":" in name:
