@@ -113,33 +113,53 @@ def inflation_curve(g: torch.Tensor, p: torch.Tensor, ms: torch.Tensor, scheme: 
     return (terms * g2[pos]).sum(-1) / total
 
 
-def variance_inflation(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str = "systematic") -> float:
-    """Predicted variance of the m-row importance-weighted estimate over the full batch's own noise, I(m) (module
-    docstring). `g`: proxies G_i (N,); `p`: the sampling distribution (N,). All-zero G gives 0; a row with G_i > 0
-    that can never be drawn (p_i = 0) gives `math.inf` (the estimate would be biased)."""
+def inflation_terms(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str = "systematic") -> tuple[float, float]:
+    """The numerator and denominator of I(m), in units of G² (so that sums over ranks give the step's inflation):
+
+        systematic:   Σ_i (1 − π_i)/π_i · G_i²    and   Σ_i G_i²
+        multinomial:  (Σ_i G_i²/p_i − Σ_i G_i²)/m  and   Σ_i G_i²
+
+    A row with G_i > 0 that can never be drawn (p_i = 0) makes the numerator `math.inf`."""
+    num, den, scale = _scaled_terms(g, p, m, scheme)
+    return num * scale**2, den * scale**2
+
+
+def _scaled_terms(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str) -> tuple[float, float, float]:
+    """(numerator, denominator) of I(m) computed with G / max G, and max G."""
     if scheme not in DRAW_SCHEMES:
         raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
-    g2 = _clean(g).abs().pow(2)
-    if g2.numel() != p.numel():
-        raise ValueError(f"g and p must have the same length, got {g2.numel()} and {p.numel()}")
-    total = g2.sum()
-    if total <= 0:
-        return 0.0
-    g2 = g2 / g2.max()  # scale-free; keeps G² from under- or overflowing
-    total = g2.sum()
-    pos = g2 > 0
+    g = _clean(g).abs()
+    if g.numel() != p.numel():
+        raise ValueError(f"g and p must have the same length, got {g.numel()} and {p.numel()}")
+    scale = float(g.max()) if g.numel() else 0.0
+    if scale <= 0:
+        return 0.0, 0.0, 0.0
+    g2 = (g / scale).pow(2)  # scale-free inside; keeps G² from under- or overflowing
+    total, pos = g2.sum(), g2 > 0
     p = _clean(p).clamp(min=0.0)
     if scheme == "multinomial":
         if m <= 0:
             raise ValueError(f"m must be positive, got {m}")
         p = p / p.sum() if p.sum() > 0 else torch.full_like(p, 1.0 / p.numel())
         if bool((p[pos] <= 0).any()):
-            return math.inf
-        return max(0.0, float(((g2[pos] / p[pos]).sum() / total - 1.0) / m))
-    pi = inclusion_probabilities(p, m)
-    if bool((pi[pos] <= 0).any()):
-        return math.inf
-    return float((_left_out(pi[pos]) / pi[pos] * g2[pos]).sum() / total)
+            return math.inf, float(total), scale
+        num = max(0.0, float((g2[pos] / p[pos]).sum() - total) / m)
+    else:
+        pi = inclusion_probabilities(p, m)
+        if bool((pi[pos] <= 0).any()):
+            return math.inf, float(total), scale
+        num = float((_left_out(pi[pos]) / pi[pos] * g2[pos]).sum())
+    return num, float(total), scale
+
+
+def variance_inflation(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str = "systematic") -> float:
+    """Predicted variance of the m-row importance-weighted estimate over the full batch's own noise, I(m) (module
+    docstring). `g`: proxies G_i (N,); `p`: the sampling distribution (N,). All-zero G gives 0; a row with G_i > 0
+    that can never be drawn (p_i = 0) gives `math.inf` (the estimate would be biased)."""
+    num, den, _ = _scaled_terms(g, p, m, scheme)
+    if den <= 0:
+        return 0.0
+    return math.inf if math.isinf(num) else num / den
 
 
 def smallest_budget(
