@@ -14,6 +14,7 @@ from trl_costaware.budget import (
     cost_trading_budget,
     inclusion_curve,
     inflation_curve,
+    inflation_terms,
     smallest_budget,
     variance_inflation,
 )
@@ -180,6 +181,26 @@ def test_bad_budget_input_is_refused(kwargs, match):
     g = torch.ones(8)
     with pytest.raises(ValueError, match=match):
         smallest_budget(g, sampling_distribution(g), **kwargs)
+
+
+@FAST
+@given(st.lists(batches(min_n=8, max_n=8), min_size=2, max_size=4), st.floats(0.0, 2.0))
+def test_largest_budget_over_ranks_keeps_the_step_within_delta(ranks, delta):
+    """Every rank keeps max_r m_r rows: the step's inflation Σ_r num_r / Σ_r den_r (sums in G² units) is ≤ δ."""
+    m = budget_over_ranks(torch.tensor([smallest_budget(g, p, delta)[0] for g, _, p in ranks]))
+    terms = [inflation_terms(g, p, m) for g, _, p in ranks]
+    for (g, _, p), (num, den) in zip(ranks, terms, strict=True):
+        assert (num / den if den > 0 else 0.0) == pytest.approx(variance_inflation(g, p, m), abs=1e-12)
+    den = sum(d for _, d in terms)
+    assert den == 0 or sum(n for n, _ in terms) / den <= delta + 1e-12
+
+
+def test_inflation_terms_are_in_units_of_g_squared():
+    g = torch.tensor([1.0, 2.0, 0.0, 3.0], dtype=torch.float64)
+    p = sampling_distribution(g, 0.1)
+    num, den = inflation_terms(1e3 * g, p, 2)
+    assert den == pytest.approx(1e6 * 14.0)
+    assert num / den == pytest.approx(variance_inflation(g, p, 2))
 
 
 def test_budget_over_ranks_takes_the_largest():
