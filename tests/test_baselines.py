@@ -55,9 +55,10 @@ def test_group_advantages_is_trl_formula():
 # Trainers (tiny random model, one or two steps)
 
 
-def parity_reward(completions, **kwargs):
-    """1 for an even-length completion: a random model gets reward variance in most groups."""
-    return [float(len(c) % 2 == 0) for c in completions]
+def parity_reward(completions, num_terms, **kwargs):
+    """1 for an even-length completion of a problem with 3 or more terms, 0 otherwise: a random model gets reward
+    variance in most groups of long problems and none in the groups of short ones."""
+    return [float(len(c) % 2 == 0 and k >= 3) for c, k in zip(completions, num_terms, strict=True)]
 
 
 def _trainer(cls, tmp_path, name, tiny_model_path, **overrides):
@@ -87,18 +88,26 @@ def _trainer(cls, tmp_path, name, tiny_model_path, **overrides):
 
 @pytest.mark.slow
 def test_zero_advantage_filter_is_exactly_grpo(tmp_path, tiny_model_path):
+    """Same seed, same rollouts: the filter's update equals GRPO's (plain SGD, so the update is the gradient)."""
+    from transformers import AutoModelForCausalLM
+
     from trl_costaware import CostAwareGRPOTrainer
 
-    grpo = _trainer(CostAwareGRPOTrainer, tmp_path, "grpo", tiny_model_path, cost_aware=False)
+    start = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    sgd = {"optim": "sgd", "learning_rate": 1.0, "max_grad_norm": 0.0}
+    grpo = _trainer(CostAwareGRPOTrainer, tmp_path, "grpo", tiny_model_path, cost_aware=False, **sgd)
     grpo.train()
-    filt = _trainer(ZeroAdvantageFilterTrainer, tmp_path, "filter", tiny_model_path, cost_aware=True)
+    filt = _trainer(ZeroAdvantageFilterTrainer, tmp_path, "filter", tiny_model_path, cost_aware=True, **sgd)
     filt.train()
     kept = filt._cost_aware_totals["rows_kept"] / filt._cost_aware_totals["rows_generated"]
     assert 0 < kept < 1  # some groups had equal rewards and were dropped
     assert filt._cost_aware_totals["policy_tokens"] < grpo._cost_aware_totals["policy_tokens"]
     a, b = grpo.model.state_dict(), filt.model.state_dict()
-    moved = max(float((a[k] - b[k]).abs().max()) for k in a)
-    assert moved < 1e-5, moved
+    step_a = {k: a[k] - start[k] for k in a}
+    scale = max(float(v.abs().max()) for v in step_a.values())
+    assert scale > 0
+    diff = max(float((step_a[k] - (b[k] - start[k])).abs().max()) for k in a)
+    assert diff <= 1e-4 * scale, (diff, scale)
 
 
 @pytest.mark.slow
