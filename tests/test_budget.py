@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from trl_costaware.budget import (
+    AUTO,
+    KeptFraction,
     budget_over_ranks,
     cost_trading_budget,
     inclusion_curve,
@@ -239,3 +241,30 @@ def test_cost_trading_refuses_negative_generation_cost():
     g = torch.ones(4)
     with pytest.raises(ValueError, match="generation_cost"):
         cost_trading_budget(g, sampling_distribution(g), torch.ones(4), -1.0)
+
+
+# ---------------------------------------------------------------- parsing "auto"
+def test_kept_fraction_type_parses_numbers_and_auto():
+    assert KeptFraction("0.25") == 0.25 and type(KeptFraction("0.25")) is float
+    assert KeptFraction(0.5) == 0.5
+    assert KeptFraction("auto") == AUTO and KeptFraction(" AUTO ") == AUTO
+    with pytest.raises(ValueError, match="auto"):
+        KeptFraction("half")
+
+
+def test_kept_fraction_type_works_with_the_hf_argument_parser():
+    """A dataclass field annotated `KeptFraction` takes "auto" or a number from the command line."""
+    from dataclasses import dataclass, field
+
+    from transformers import HfArgumentParser
+
+    @dataclass
+    class Args:
+        kept: KeptFraction = field(default=0.5)
+
+    parser = HfArgumentParser(Args)
+    assert parser.parse_args_into_dataclasses(["--kept", "auto"])[0].kept == AUTO
+    assert parser.parse_args_into_dataclasses(["--kept", "0.3"])[0].kept == 0.3
+    assert parser.parse_args_into_dataclasses([])[0].kept == 0.5
+    with pytest.raises(SystemExit):
+        parser.parse_args_into_dataclasses(["--kept", "half"])

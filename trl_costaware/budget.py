@@ -37,6 +37,24 @@ import torch
 
 from .sampling import DRAW_SCHEMES, inclusion_probabilities
 
+AUTO = "auto"
+
+
+class KeptFraction(float):
+    """The type of a kept-fraction setting: a number in (0, 1] or the string "auto" (the δ rule above).
+
+    `KeptFraction("0.5")` returns the float 0.5 and `KeptFraction("auto")` the string "auto", so a dataclass field
+    annotated with it parses from the command line and YAML (`HfArgumentParser` calls the annotation on the text).
+    Anything else raises ValueError naming the allowed values; the range is checked by the config."""
+
+    def __new__(cls, value):
+        if isinstance(value, str) and value.strip().lower() == AUTO:
+            return AUTO
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"a kept fraction must be a number in (0, 1] or {AUTO!r}, got {value!r}") from None
+
 
 def _clean(x: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(x.double(), nan=0.0, posinf=0.0, neginf=0.0)
