@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import os
+import warnings
 
 from trl_costaware.embedded.testbed import DEFAULT_STEPS, EVAL_EVERY, GRPO_RECIPE, HELDOUT_N
 
@@ -181,10 +182,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--output_dir", default="outputs/demo")
     args = parser.parse_args(argv)
     os.environ.setdefault("WANDB_MODE", "offline")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed (imported by TRL) warns when it has to guess
+    warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecation notices, once per eval
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()  # "Loading weights" bars; the demo's own bars stay
 
     from trl_costaware.embedded import warmed_up_model_path
 
-    print("Building the embedded tiny model and its SFT warm-up (cached after the first run, ~1 min) ...", flush=True)
+    print("Building the embedded tiny model and its SFT warm-up (cached after the first run; 2-4 min) ...", flush=True)
     print(f"  model: {warmed_up_model_path()}", flush=True)
     summary = run_demo(args.steps, args.seed, args.output_dir, args.eval_every)
     print()
