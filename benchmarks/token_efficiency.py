@@ -373,9 +373,10 @@ def main(argv=None):
     command = " ".join(["python benchmarks/token_efficiency.py", *(argv if argv is not None else sys.argv[1:])])
     os.makedirs(common.RESULTS, exist_ok=True)
     if not args.analyze_only:
-        order = (
-            schedule(2, 0, ("grpo", "cost_aware_0.5"), ()) if args.quick else schedule(args.seeds, args.other_seeds)
-        )
+        if args.quick:
+            order = schedule([(MAIN_ARMS, 2)])
+        else:
+            order = schedule([(MAIN_ARMS, args.seeds), (OTHER_ARMS, args.other_seeds), (KEPT_ARMS, args.kept_seeds)])
         t0 = time.perf_counter()
         for i, (arm, seed) in enumerate(order):
             r = common.run_arm(arm, seed, root, steps=steps, eval_every=args.eval_every)
