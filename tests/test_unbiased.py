@@ -296,6 +296,7 @@ def test_unbiased_matrix_full(warm_model_path, dataset, tmp_path, monkeypatch, l
     if k > 64:
         t = torch.cat([t, projections(case, k - 64)[0]])
     mean, se = float(t.mean()), float(t.std() / math.sqrt(len(t)))
+    print(f"mc_full {loss_type} micro={micro} {options}: K={len(t)} mean(t)={mean:.4f} SE={se:.4f}")
     assert (BOUND + POWER_Z) * se <= 0.05, (mean, se, len(t))
     assert abs(mean - 1.0) < BOUND * se, (mean, se, len(t))
     for scale in (1.05, 0.95):  # ⟨ĝ, s·g⟩/‖s·g‖² = t/s
