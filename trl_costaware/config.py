@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .layout import full_micro_batch_layout
 from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
 
 
@@ -83,6 +84,11 @@ class CostAwareGRPOConfig(GRPOConfig):
             Seed of the sampler's generator (offset by the process index); `None` uses `seed`.
         cost_aware_run_group (`str` or `None`, defaults to `None`):
             Group name shared by the runs of one comparison (W&B group, and a field of the local metrics record).
+        cost_aware_full_micro_batches (`bool`, defaults to `False`):
+            Lay the kept rows into full micro-batches: `per_device_train_batch_size` kept rows each and
+            `cost_aware_kept_fraction × gradient_accumulation_steps` of them per optimizer step, with the same
+            generation batch (see `layout.py`). Fewer, fuller micro-batches are what make the update time fall with
+            the tokens on an accelerator. Needs a fixed kept fraction.
     """
 
     cost_aware: bool = field(
@@ -163,8 +169,19 @@ class CostAwareGRPOConfig(GRPOConfig):
             "run group and a field of the local metrics record. None: WANDB_RUN_GROUP if set."
         },
     )
+    cost_aware_full_micro_batches: bool = field(
+        default=False,
+        metadata={
+            "help": "Cut the kept rows into full micro-batches of per_device_train_batch_size rows, "
+            "kept_fraction × gradient_accumulation_steps of them per optimizer step, from the same generation batch "
+            "(per_device_train_batch_size / kept_fraction rows per generation micro-batch). Needs a fixed kept "
+            "fraction; the three fields must come out whole."
+        },
+    )
 
     def __post_init__(self):
+        if self.cost_aware and self.cost_aware_full_micro_batches:
+            self._apply_full_micro_batch_layout()  # before TRL derives the generation batch from these fields
         super().__post_init__()
         if self.cost_aware and self.top_entropy_quantile < 1.0:
             # TRL takes the entropy threshold over the tokens of the current micro-batch, so a kept row's loss depends
@@ -206,3 +223,21 @@ class CostAwareGRPOConfig(GRPOConfig):
                     f"cost_aware_weight_cap must be > cost_aware_weight_floor ({floor}), "
                     f"got {self.cost_aware_weight_cap}"
                 )
+
+    def _apply_full_micro_batch_layout(self):
+        if self.cost_aware_token_budget is not None or not isinstance(self.cost_aware_kept_fraction, int | float):
+            raise ValueError(
+                "cost_aware_full_micro_batches=True needs a fixed cost_aware_kept_fraction (a number) and no "
+                "cost_aware_token_budget: the kept row count must be known when the micro-batches are sized, got "
+                f"cost_aware_kept_fraction={self.cost_aware_kept_fraction!r}, "
+                f"cost_aware_token_budget={self.cost_aware_token_budget!r}"
+            )
+        layout = full_micro_batch_layout(
+            self.per_device_train_batch_size,
+            self.gradient_accumulation_steps,
+            self.steps_per_generation,
+            float(self.cost_aware_kept_fraction),
+        )
+        self.per_device_train_batch_size = layout.per_device_train_batch_size
+        self.gradient_accumulation_steps = layout.gradient_accumulation_steps
+        self.steps_per_generation = layout.steps_per_generation
