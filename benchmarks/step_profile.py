@@ -67,9 +67,12 @@ ARMS = {
     # Same generation batch and sample as `cost_aware`, laid out into full micro-batches: per_device_train_batch_size
     # divided by the kept fraction and gradient_accumulation_steps multiplied by it (docs/trainer.md, "Micro-batch
     # layout"), so each micro-batch holds --micro-batch kept rows and there are fewer of them.
-    "cost_aware_packed": {"cost_aware": True, "cost_aware_weight_normalization": "none"},
+    "cost_aware_packed": {
+        "cost_aware": True,
+        "cost_aware_weight_normalization": "none",
+        "cost_aware_full_micro_batches": True,
+    },
 }
-PACKED_ARMS = ("cost_aware_packed",)
 
 
 # ---------------------------------------------------------------------------------------------------- model and data
@@ -301,14 +304,6 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
             f"{opts.num_generations}"
         )
     accumulation = opts.rollouts // micro
-    if arm in PACKED_ARMS:
-        packed = round(micro / opts.kept_fraction)
-        if abs(packed * opts.kept_fraction - micro) > 1e-9 or opts.rollouts % packed:
-            raise SystemExit(
-                f"{arm}: --micro-batch {micro} / --kept-fraction {opts.kept_fraction} must be a whole number of rows "
-                f"dividing --rollouts {opts.rollouts}"
-            )
-        micro, accumulation = packed, opts.rollouts // packed
     prompts_per_step = opts.rollouts // opts.num_generations
     data = Dataset.from_dict({"prompt": random_prompts(prompts_per_step * opts.steps, opts.prompt_length, opts.seed)})
     generation_kwargs = None
@@ -318,7 +313,7 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
         output_dir=os.path.join(opts.workdir, arm),
         per_device_train_batch_size=micro,
         gradient_accumulation_steps=accumulation,
-        steps_per_generation=accumulation,
+        steps_per_generation=None,  # TRL's default: one generation batch per optimizer step
         num_generations=opts.num_generations,
         max_completion_length=opts.max_completion_length,
         max_steps=opts.steps,
@@ -343,6 +338,7 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
         seed=opts.seed,
         **ARMS[arm],
     )
+    layout = (args.per_device_train_batch_size, args.gradient_accumulation_steps)  # after the full layout, if on
     trainer = CostAwareGRPOTrainer(model_path, [hash_reward], args=args, train_dataset=data)
     trainer.remove_callback(PrinterCallback)  # no dict per step on stdout (the tables are the output)
     profiler = PhaseProfiler(cuda)
@@ -358,8 +354,8 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
         {
             "arm": arm,
             "settings": ARMS[arm],
-            "micro_batches_per_step": accumulation,
-            "rows_per_micro_batch": micro * (opts.kept_fraction if ARMS[arm]["cost_aware"] else 1.0),
+            "micro_batches_per_step": layout[1],
+            "rows_per_micro_batch": layout[0] * (opts.kept_fraction if ARMS[arm]["cost_aware"] else 1.0),
             "train_seconds": wall,
             "totals": totals,
             "peak_memory_gib": (torch.cuda.max_memory_allocated() / 2**30) if cuda else None,
