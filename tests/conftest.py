@@ -60,5 +60,6 @@ def warm_model_path(embedded_cache):
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device; skipped without one (`make test-gpu`)")
     config.addinivalue_line(
-        "markers", "mc_full: Monte Carlo matrix at full K (~30 min on one core); `make test-all` only, not `make test`"
+        "markers",
+        "mc_full: Monte Carlo matrix at full K (~9000 draws a case, about 2 h on one core); `make test-all` only",
     )
