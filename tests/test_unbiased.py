@@ -273,14 +273,15 @@ def test_matrix_controls_fail(warm_model_path, dataset, tmp_path, monkeypatch, c
 @pytest.mark.slow
 def test_plain_statistic_sees_the_draw(warm_model_path, dataset, tmp_path, monkeypatch):
     """The control variate trusts the sampler's reported design; the plain projection t does not. Here K is sized so a
-    10% bias of the whole pipeline (draw included) is detected with ≥ 90% probability (`mc_full` sizes it for 5%)."""
+    20% bias of the whole pipeline (draw included) is detected with ≥ 90% probability (sd(t) ≈ 0.75 on this batch, so
+    5% needs ~9000 draws: that is `mc_full`'s job)."""
     trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type="grpo", micro=2)
     case = fixed_case(trainer, dataset, monkeypatch)
     pilot = run_case(case, 64)
-    k = draws_for(pilot.plain_se * math.sqrt(64) * 1.2, 0.10)
+    k = draws_for(pilot.plain_se * math.sqrt(64) * 1.2, 0.20)
     r = run_case(case, k)
     assert abs(r.plain_mean - 1.0) < BOUND * r.plain_se, r
-    assert (BOUND + POWER_Z) * r.plain_se <= 0.10, r
+    assert (BOUND + POWER_Z) * r.plain_se <= 0.20, r
 
 
 # ---------------------------------------------------------------- the matrix at full K (make test-all)
