@@ -28,7 +28,7 @@ def rows(draw, max_n=12, max_t=10):
     n = draw(st.integers(1, max_n))
     t = draw(st.integers(1, max_t))
     lengths = draw(st.lists(st.integers(0, t), min_size=n, max_size=n))
-    mask = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).float()
+    mask = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]).double()
     adv = draw(
         st.lists(
             st.one_of(st.just(0.0), st.just(math.nan), st.floats(-5.0, 5.0, allow_nan=False)),
@@ -37,7 +37,7 @@ def rows(draw, max_n=12, max_t=10):
         )
     )
     logps = draw(st.lists(st.floats(-30.0, 0.0), min_size=n * t, max_size=n * t))
-    return torch.tensor(adv), mask, torch.tensor(logps).view(n, t)
+    return torch.tensor(adv), mask, torch.tensor(logps, dtype=torch.float64).view(n, t)
 
 
 @FAST
@@ -107,6 +107,14 @@ def test_proxy_scales_with_the_advantage():
     mask = torch.ones(3, 5)
     adv = torch.tensor([1.0, -2.0, 0.5])
     torch.testing.assert_close(loss_aware_proxy(adv, mask, "dapo", 0.5), adv.abs().double() * 5**0.5)
+
+
+def test_row_factor_follows_the_mask_dtype_and_device():
+    """float32 for an integer or float32 mask (float64 is not available on every device), float64 for float64."""
+    mask = torch.ones(2, 3, dtype=torch.long)
+    assert row_factor(mask, "dapo").dtype == torch.float32
+    assert row_factor(mask, "grpo", token_logps=torch.zeros(2, 3)).dtype == torch.float32
+    assert row_factor(mask.double(), "dapo").dtype == torch.float64
 
 
 def test_nan_log_probabilities_count_as_unknown():

@@ -68,7 +68,8 @@ def uniform(n: int) -> torch.Tensor:
 @given(ac=adv_cost(), alpha=st.floats(0.0, 1.0), proxy=st.sampled_from(sampling.PROXIES))
 def test_distribution_is_a_probability_vector(ac, alpha, proxy):
     adv, costs = ac
-    scores = sampling_scores(adv, costs, proxy=proxy)
+    factors = torch.linspace(0.0, 3.0, adv.numel())  # per-row factors h_i of the "loss_aware" proxy
+    scores = sampling_scores(adv, costs, proxy=proxy, row_factors=factors)
     assert torch.isfinite(scores).all() and (scores >= 0).all()
     p = sampling_distribution(scores, alpha=alpha)
     assert p.dtype == torch.float64 and p.shape == adv.shape
@@ -88,7 +89,7 @@ def test_all_zero_advantages_give_uniform(n, costs, alpha):
 @given(ac=adv_cost(), proxy=st.sampled_from(sampling.PROXIES))
 def test_alpha_one_gives_uniform(ac, proxy):
     adv, costs = ac
-    p = sampling_distribution(sampling_scores(adv, costs, proxy=proxy), alpha=1.0)
+    p = sampling_distribution(sampling_scores(adv, costs, proxy=proxy, row_factors=torch.ones(adv.numel())), alpha=1.0)
     torch.testing.assert_close(p, uniform(adv.numel()), rtol=0, atol=1e-15)
 
 
@@ -98,6 +99,10 @@ def test_scores_match_formulas():
     torch.testing.assert_close(sampling_scores(adv, c, "advantage"), torch.tensor([0.5, 0.5, 0.0, 3.0]))
     torch.testing.assert_close(sampling_scores(adv, c, "inverse_sqrt_cost"), torch.tensor([0.5, 0.25, 1 / 3, 1.0]))
     torch.testing.assert_close(sampling_scores(adv, c, "inverse_cost"), torch.tensor([0.25, 1 / 16, 1 / 9, 1.0]))
+    h = torch.tensor([2.0, 0.5, 1.0, 0.0])
+    torch.testing.assert_close(sampling_scores(adv, c, "loss_aware", h), torch.tensor([1.0, 0.25, 0.0, 0.0]))
+    with pytest.raises(ValueError, match="row_factors"):
+        sampling_scores(adv, c, "loss_aware")
     torch.testing.assert_close(sampling_scores(adv, c, "uniform"), torch.ones(4))
     p = sampling_distribution(sampling_scores(adv, c, "advantage"), alpha=0.5)
     torch.testing.assert_close(p, 0.5 * torch.tensor([0.125, 0.125, 0.0, 0.75], dtype=torch.float64) + 0.125)

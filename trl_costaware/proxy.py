@@ -51,9 +51,14 @@ def length_exponent(loss_type: str, gamma: float = DEFAULT_GAMMA) -> float:
     return gamma - 1.0 if loss_type in ROW_MEAN_LOSSES else gamma
 
 
+def _float(x: torch.Tensor) -> torch.Tensor:
+    """float64 stays float64, anything else becomes float32 (float64 is not available on every device)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def token_weights(token_logps: torch.Tensor) -> torch.Tensor:
     """u_it = 1 − π(y_it) = 1 − exp(log π(y_it)), in [0, 1]; NaN log-probabilities count as u = 1 (no knowledge)."""
-    logps = token_logps.double()
+    logps = _float(token_logps)
     u = 1.0 - logps.clamp(max=0.0).exp()
     return torch.where(torch.isnan(logps), torch.ones_like(u), u).clamp(0.0, 1.0)
 
@@ -64,7 +69,8 @@ def row_factor(
     gamma: float = DEFAULT_GAMMA,
     token_logps: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The loss type's per-row factor h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i (module docstring), shape (N,), float64.
+    """The loss type's per-row factor h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i (module docstring), shape (N,), on the mask's
+    device, float64 for a float64 mask and float32 otherwise.
 
     Args:
         token_mask: (N, T) loss mask m_it (1 for a token in the policy loss).
@@ -78,11 +84,11 @@ def row_factor(
         raise ValueError(f"gamma must lie in (0, {MAX_GAMMA}], got {gamma}")
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
-    mask = _clean(token_mask).double().clamp(min=0.0)
+    mask = _clean(token_mask).clamp(min=0.0)
     if token_logps is not None:
         if token_logps.shape != token_mask.shape:
             raise ValueError(f"token_logps shape {tuple(token_logps.shape)} != token_mask shape {tuple(mask.shape)}")
-        u = token_weights(token_logps.to(mask.device))
+        u = token_weights(token_logps.to(mask.device)).to(mask.dtype)
     else:
         u = torch.ones_like(mask)
     norm = (mask * u.pow(1.0 / gamma)).sum(-1).pow(gamma)

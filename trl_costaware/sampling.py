@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-PROXIES = ("advantage", "uniform", "inverse_sqrt_cost", "inverse_cost")
+PROXIES = ("advantage", "loss_aware", "uniform", "inverse_sqrt_cost", "inverse_cost")
 COST_KINDS = ("prompt_completion", "completion")
 DRAW_SCHEMES = ("systematic", "multinomial")
 WEIGHT_NORMALIZATIONS = ("none", "recenter", "self_normalize")
@@ -58,24 +58,39 @@ def _clean_costs(costs: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(costs, nan=MIN_COST, posinf=_HUGE_COST, neginf=MIN_COST).clamp(min=MIN_COST)
 
 
-def gradient_proxy(advantages: torch.Tensor) -> torch.Tensor:
-    """The paper's gradient-norm proxy g_i = |A_i|. NaN advantages (unscorable rows) give g_i = 0."""
-    return _clean(advantages).abs()
+def gradient_proxy(advantages: torch.Tensor, row_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """The gradient-norm proxy G_i = |A_i| (the paper's), or G_i = |A_i| · h_i with the loss type's per-row factor h_i
+    (`proxy.row_factor`, the "loss_aware" proxy) when `row_factors` is given. NaN advantages give G_i = 0."""
+    g = _clean(advantages).abs()
+    if row_factors is None:
+        return g
+    return g * _clean(row_factors).abs().to(g.dtype)
 
 
-def sampling_scores(advantages: torch.Tensor, costs: torch.Tensor, proxy: str = "advantage") -> torch.Tensor:
+def sampling_scores(
+    advantages: torch.Tensor,
+    costs: torch.Tensor,
+    proxy: str = "advantage",
+    row_factors: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Unnormalised sampling scores s_i (the distribution is q_i = s_i / Σ_j s_j).
 
-    - "advantage":          s_i = |A_i| / √c_i    (the method: p* ∝ G_i/√c_i with G_i ≈ |A_i|)
-    - "uniform":            s_i = 1               (ablation: plain subsampling)
-    - "inverse_sqrt_cost":  s_i = 1 / √c_i        (ablation: cost only, G_i assumed equal)
-    - "inverse_cost":       s_i = 1 / c_i         (ablation: the popular summary; no gain when G_i are equal)
+    - "advantage":          s_i = |A_i| / √c_i        (the method: p* ∝ G_i/√c_i with G_i ≈ |A_i|)
+    - "loss_aware":         s_i = |A_i| · h_i / √c_i  (G_i ≈ |A_i| h_i, h_i = `row_factors` from `proxy.row_factor`:
+                                                       the loss type's normaliser and the row's length; needs them)
+    - "uniform":            s_i = 1                   (ablation: plain subsampling)
+    - "inverse_sqrt_cost":  s_i = 1 / √c_i            (ablation: cost only, G_i assumed equal)
+    - "inverse_cost":       s_i = 1 / c_i             (ablation: the popular summary; no gain when G_i are equal)
 
-    Rows with A_i = 0 (or NaN) get s_i = 0 under "advantage": they carry no policy gradient.
+    Rows with A_i = 0 (or NaN) get s_i = 0 under "advantage" and "loss_aware": they carry no policy gradient.
     """
     if proxy not in PROXIES:
         raise ValueError(f"proxy must be one of {PROXIES}, got {proxy!r}")
     costs = _clean_costs(costs)
+    if proxy == "loss_aware":
+        if row_factors is None:
+            raise ValueError('proxy "loss_aware" needs the per-row factors h_i (row_factors)')
+        return gradient_proxy(advantages, row_factors) / costs.sqrt()
     if proxy == "advantage":
         return gradient_proxy(advantages) / costs.sqrt()
     if proxy == "uniform":
