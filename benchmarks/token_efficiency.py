@@ -16,9 +16,10 @@ subsampling 0.5, PODS max-variance 0.5, Cost-Aware GRPO 0.25 / 0.5 / 0.75 (defau
 Measured per run: held-out accuracy (512 fixed problems, one sample at T = 1) every 4 steps, with the policy tokens,
 generated tokens and training wall seconds (evaluation excluded) at each point. The target is fixed once for all runs:
 start + 80% of GRPO's mean improvement (improvement = mean of a run's last 3 evaluations − start). Per seed:
-tokens / wall / steps to first reach it; paired ratios against the GRPO run of the same seed, mean with a bootstrap
-95% interval over seeds; final accuracy (last 3 evaluations) at equal steps and at equal policy tokens (GRPO's curve
-interpolated at the arm's tokens), paired differences with intervals.
+tokens / wall / steps to first reach it (linear interpolation between the two evaluations around the crossing);
+paired ratios against the GRPO run of the same seed, mean with a bootstrap 95% interval over seeds; final accuracy
+(last 3 evaluations) at equal steps and at equal policy tokens (GRPO's curve interpolated at the arm's tokens),
+paired differences with intervals.
 """
 
 from __future__ import annotations
@@ -101,10 +102,17 @@ def acc_at(run: dict, x: float, key: str = "policy_tokens") -> float | None:
 
 
 def reach(run: dict, target: float) -> dict | None:
-    """The first evaluation at or above the target: its step, policy tokens, generated tokens and wall seconds."""
-    for p in run["curve"]:
+    """Where the held-out curve first reaches the target: step, policy tokens, generated tokens and wall seconds,
+    linearly interpolated between the last evaluation below the target and the first at or above it (so the answer
+    is not quantised to the evaluation grid). None if the curve never reaches it."""
+    curve = run["curve"]
+    for i, p in enumerate(curve):
         if p["heldout_acc"] >= target:
-            return p
+            if i == 0:
+                return dict(p)
+            q = curve[i - 1]
+            f = (target - q["heldout_acc"]) / (p["heldout_acc"] - q["heldout_acc"])
+            return {k: q[k] + f * (p[k] - q[k]) for k in ("step", "policy_tokens", "generated_tokens", "wall_s")}
     return None
 
 

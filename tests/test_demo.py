@@ -24,9 +24,11 @@ def test_no_target_when_grpo_does_not_improve_beyond_noise():
     assert demo.tokens_to_target(_curve([0.4, 0.9]), None) is None
 
 
-def test_tokens_to_target_first_evaluation_at_or_above():
+def test_tokens_to_target_first_crossing_interpolated():
     curve = _curve([0.40, 0.47, 0.52, 0.49, 0.60])
-    assert demo.tokens_to_target(curve, 0.52) == 2000.0
+    assert demo.tokens_to_target(curve, 0.52) == pytest.approx(2000.0)
+    assert demo.tokens_to_target(curve, 0.50) == pytest.approx(1000.0 + 1000.0 * 0.03 / 0.05)
+    assert demo.tokens_to_target(curve, 0.40) == 0.0
     assert demo.tokens_to_target(curve, 0.61) is None
 
 

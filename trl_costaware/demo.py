@@ -46,12 +46,17 @@ def demo_target(grpo_curve: list[dict], n: int) -> tuple[float | None, str]:
 
 
 def tokens_to_target(curve: list[dict], target: float | None) -> float | None:
-    """Policy tokens at the first evaluation at or above `target` (None when never reached or no target)."""
+    """Policy tokens where the held-out curve first reaches `target`, linearly interpolated between the last
+    evaluation below it and the first at or above it (None when never reached or no target)."""
     if target is None:
         return None
-    for point in curve:
+    for i, point in enumerate(curve):
         if point["heldout_acc"] >= target:
-            return point["policy_tokens"]
+            if i == 0:
+                return point["policy_tokens"]
+            prev = curve[i - 1]
+            f = (target - prev["heldout_acc"]) / (point["heldout_acc"] - prev["heldout_acc"])
+            return prev["policy_tokens"] + f * (point["policy_tokens"] - prev["policy_tokens"])
     return None
 
 
