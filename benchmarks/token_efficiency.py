@@ -92,11 +92,12 @@ def end_acc(run: dict) -> float:
     return float(np.mean([p["heldout_acc"] for p in run["curve"][1:]][-END_POINTS:]))
 
 
-def acc_at(run: dict, x: float, key: str = "policy_tokens") -> float | None:
-    """Held-out accuracy of `run` interpolated at `key` = x (None beyond its curve)."""
+def acc_at(run: dict, x: float, key: str = "policy_tokens", slack: float = 0.05) -> float | None:
+    """Held-out accuracy of `run` interpolated at `key` = x; up to `slack` (5%) beyond its last point it is the last
+    point's accuracy (two arms with the same tokens per step end a few % apart), further beyond None."""
     xs = np.array([p[key] for p in run["curve"]], dtype=float)
     ys = np.array([p["heldout_acc"] for p in run["curve"]], dtype=float)
-    if x > xs[-1] + 1e-9:
+    if x > xs[-1] * (1 + slack) + 1e-9:
         return None
     return float(np.interp(x, xs, ys))
 
