@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from .budget import AUTO, KeptFraction
 from .layout import full_micro_batch_layout
 from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
 
@@ -54,14 +56,21 @@ class CostAwareGRPOConfig(GRPOConfig):
     Parameters:
         cost_aware (`bool`, defaults to `True`):
             Switch. With `False` the trainer behaves exactly like `GRPOTrainer` but still logs the token counters.
-        cost_aware_kept_fraction (`float`, defaults to `0.5`):
+        cost_aware_kept_fraction (`float` or `"auto"`, defaults to `0.5`):
             Fraction m/N of each rank's generation batch kept for the policy update, rounded down to a multiple of
-            `steps_per_generation` (at least one row per micro-step).
+            `steps_per_generation` (at least one row per micro-step). `"auto"`: per generation batch, the smallest m
+            whose predicted variance inflation over the full batch is at most `cost_aware_budget_delta`
+            (docs/budget_and_proxy.md §2); the largest m any rank needs is kept on every rank.
+        cost_aware_budget_delta (`float`, defaults to `0.5`):
+            With `cost_aware_kept_fraction="auto"`: the allowed variance inflation δ ≥ 0 of the update relative to
+            training on the whole generation batch (0: keep every informative row; 1: the update may be twice as
+            noisy as the full batch's).
         cost_aware_token_budget (`int` or `None`, defaults to `None`):
             If set, replaces the kept fraction: each generation batch keeps as many rows as the expected token cost
             of the draw allows (tokens per rank per generation batch); all ranks use the smallest such count.
         cost_aware_proxy (`str`, defaults to `"advantage"`):
-            Sampling score: `"advantage"` (|A|/√c, the method), `"uniform"`, `"inverse_sqrt_cost"` (1/√c),
+            Sampling score: `"advantage"` (|A|/√c, the method), `"loss_aware"` (|A|·h/√c, h from the loss type's
+            normaliser and the row's length, docs/budget_and_proxy.md §1), `"uniform"`, `"inverse_sqrt_cost"` (1/√c),
             `"inverse_cost"` (1/c; an ablation, no gain when gradient norms are equal).
         cost_aware_cost (`str` or callable, defaults to `"prompt_completion"`):
             Row cost c_i: `"prompt_completion"` (non-padding prompt + completion tokens), `"completion"`, a callable
@@ -95,11 +104,19 @@ class CostAwareGRPOConfig(GRPOConfig):
         default=True,
         metadata={"help": "Train on a cost-aware sample of each generation batch. False: plain GRPO (counters kept)."},
     )
-    cost_aware_kept_fraction: float = field(
+    cost_aware_kept_fraction: KeptFraction = field(
         default=0.5,
         metadata={
             "help": "Fraction m/N of each rank's generation batch kept for the policy update, rounded down to a "
-            "multiple of steps_per_generation (at least one row per micro-step). In (0, 1]."
+            "multiple of steps_per_generation (at least one row per micro-step). In (0, 1], or 'auto': the smallest m "
+            "whose predicted variance inflation is at most cost_aware_budget_delta (largest over ranks)."
+        },
+    )
+    cost_aware_budget_delta: float = field(
+        default=0.5,
+        metadata={
+            "help": "With cost_aware_kept_fraction='auto': allowed variance inflation delta >= 0 of the update over "
+            "training on the whole generation batch (0: every informative row; 1: twice the full batch's noise)."
         },
     )
     cost_aware_token_budget: int | None = field(
@@ -112,7 +129,8 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_proxy: str = field(
         default="advantage",
         metadata={
-            "help": "Sampling score: 'advantage' (|A|/sqrt(c), the method), 'uniform', "
+            "help": "Sampling score: 'advantage' (|A|/sqrt(c), the method), 'loss_aware' (|A| h/sqrt(c), h from the "
+            "loss type and the row's length), 'uniform', "
             "'inverse_sqrt_cost' (1/sqrt(c)) or 'inverse_cost' (1/c, an ablation).",
             "choices": list(PROXIES),
         },
@@ -191,8 +209,28 @@ class CostAwareGRPOConfig(GRPOConfig):
                 "entropy threshold is a quantile over the micro-batch's tokens, which sampling changes, so the "
                 "cost-aware loss would be biased. Use top_entropy_quantile=1.0 or cost_aware=False."
             )
-        if not 0.0 < self.cost_aware_kept_fraction <= 1.0:
-            raise ValueError(f"cost_aware_kept_fraction must be in (0, 1], got {self.cost_aware_kept_fraction}")
+        try:
+            self.cost_aware_kept_fraction = KeptFraction(self.cost_aware_kept_fraction)  # "auto" or a float
+        except ValueError:
+            raise ValueError(
+                f"cost_aware_kept_fraction must be a number in (0, 1] or 'auto', got {self.cost_aware_kept_fraction!r}"
+            ) from None
+        if self.cost_aware_kept_fraction == AUTO:
+            if self.cost_aware_token_budget is not None:
+                raise ValueError(
+                    "cost_aware_kept_fraction='auto' and cost_aware_token_budget both choose the kept row count; "
+                    f"set one of them (got cost_aware_token_budget={self.cost_aware_token_budget})"
+                )
+        elif not 0.0 < self.cost_aware_kept_fraction <= 1.0:
+            raise ValueError(
+                f"cost_aware_kept_fraction must be in (0, 1] or 'auto', got {self.cost_aware_kept_fraction}"
+            )
+        if not (
+            isinstance(self.cost_aware_budget_delta, int | float) and 0.0 <= self.cost_aware_budget_delta < math.inf
+        ):
+            raise ValueError(
+                f"cost_aware_budget_delta must be a finite number >= 0, got {self.cost_aware_budget_delta!r}"
+            )
         if self.cost_aware_token_budget is not None and self.cost_aware_token_budget <= 0:
             raise ValueError(
                 "cost_aware_token_budget must be a positive number of tokens or None, "

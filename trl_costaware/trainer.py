@@ -20,12 +20,15 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
+from .budget import AUTO, inflation_terms, smallest_budget
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .diagnostics import batch_metrics, rank_sums
+from .proxy import DEFAULT_GAMMA, row_factor
 from .sampling import (
     capped_kept_count,
     draw_rows,
     eligible_rows,
+    gradient_proxy,
     kept_row_count,
     kept_rows_for_token_budget,
     normalize_weights,
@@ -226,9 +229,19 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             "rollout_lengths": (batch["prompt_mask"].sum(-1) + generated).float(),
             "loss_tokens": self._loss_mask(batch).sum(-1).float(),
             "generated_tokens": generated.float(),
+            "proxy_factors": self._proxy_factors(batch).float(),
         }
         host = torch.stack(list(columns.values()), dim=1).cpu()
         return dict(zip(columns, host.unbind(1), strict=True))
+
+    def _proxy_factors(self, batch) -> torch.Tensor:
+        """h_i of the "loss_aware" proxy G_i = |A_i| h_i (`proxy.row_factor`: the loss type's normaliser and the row's
+        loss tokens, weighted by 1 − π(y_t) when the generator returned the sampled tokens' log-probabilities, as vLLM
+        does); ones for the other proxies (G_i = |A_i|)."""
+        mask = self._loss_mask(batch)
+        if self.args.cost_aware_proxy != "loss_aware":
+            return torch.ones(len(mask), device=mask.device)
+        return row_factor(mask, self.loss_type, DEFAULT_GAMMA, batch.get("sampling_per_token_logps"))
 
     @property
     def _zero_advantage_carries_gradient(self) -> bool:
@@ -237,21 +250,34 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     def _kept_count(self, p, rows, eligible, device) -> int:
         """m for this generation batch, equal on every rank: the configured rule (fraction, or the token budget's
-        count, smallest over ranks), capped by `capped_kept_count` at what the eligible rows of the busiest rank
-        need. One gather of two integers when there are several ranks."""
+        count, smallest over ranks; or with `cost_aware_kept_fraction="auto"` the smallest m whose predicted variance
+        inflation is ≤ δ, `budget.smallest_budget`, LARGEST over ranks so that every rank and the step stay within δ),
+        capped by `capped_kept_count` at what the eligible rows of the busiest rank need. One gather of two integers
+        when there are several ranks (and, with "auto", one of the inflation's two sums for the log)."""
         args, n = self.args, len(p)
         spg = args.steps_per_generation
-        if args.cost_aware_token_budget is not None:
+        auto = args.cost_aware_kept_fraction == AUTO
+        g = gradient_proxy(rows["advantages"], rows["proxy_factors"]) if auto else None
+        if auto:
+            m_local = smallest_budget(g, p, args.cost_aware_budget_delta, spg, args.cost_aware_draw)[0]
+        elif args.cost_aware_token_budget is not None:
             m_local = kept_rows_for_token_budget(p, rows["costs"], args.cost_aware_token_budget, n)
         else:
             m_local = kept_row_count(n, args.cost_aware_kept_fraction, spg)
+        sign = 1 if auto else -1  # gather the max of sign·m: the largest m for "auto", the smallest otherwise
         k_local = int(eligible.sum())
         if self.accelerator.num_processes > 1:
-            both = self.accelerator.gather(torch.tensor([[-m_local, k_local]], device=device)).amax(0).tolist()
-            m_rule, k_max = -both[0], both[1]
+            both = self.accelerator.gather(torch.tensor([[sign * m_local, k_local]], device=device)).amax(0).tolist()
+            m_rule, k_max = sign * both[0], both[1]
         else:
             m_rule, k_max = m_local, k_local
-        return capped_kept_count(kept_row_count(n, m_rule / n, spg), k_max, spg)
+        m = capped_kept_count(kept_row_count(n, m_rule / n, spg), k_max, spg)
+        if auto:  # the predicted inflation of the step: Σ_ranks numerator / Σ_ranks denominator (in G² units)
+            num, den = inflation_terms(g, p, m, args.cost_aware_draw)
+            total = self._sum_over_ranks({"num": num, "den": den}, device)
+            inflation = total["num"] / total["den"] if total["den"] > 0 else 0.0
+            self._metrics["train"]["cost_aware/budget_inflation"].append(inflation)
+        return m
 
     def _draw_kept_rows(self, batch):
         """Draw the kept rows of this rank's generation batch; return their indices and advantage factors, both on
@@ -262,7 +288,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         advantages, costs = rows["advantages"], rows["costs"]
         n = len(advantages)
         eligible = eligible_rows(advantages, rows["loss_tokens"], self._zero_advantage_carries_gradient)
-        scores = sampling_scores(advantages, costs, args.cost_aware_proxy)
+        scores = sampling_scores(advantages, costs, args.cost_aware_proxy, rows["proxy_factors"])
         p = sampling_distribution(scores, args.cost_aware_smoothing, support=eligible)
         m = self._kept_count(p, rows, eligible, device)
         # Slots beyond the eligible rows (a rank with fewer of them than m) go to the cheapest rows the loss sees.
