@@ -206,11 +206,13 @@ OPTIONS = {
     "group_by_length_pad8": dict(cost_aware_group_by_length=True, pad_to_multiple_of=8),
     "kept_0.9_capped": dict(cost_aware_kept_fraction=0.9),
     "token_budget": dict(cost_aware_token_budget=150),
+    # kept rows re-cut into full micro-batches (B' = B/f, S' = f·S, G' = f·G): one micro-batch of 8 here
+    "full_micro_batches": dict(cost_aware_full_micro_batches=True),
 }
 MATRIX = [pytest.param(lt, micro, {}, id=f"{lt}-micro{micro}") for lt in LOSS_TYPES for micro in (1, 2)] + [
     pytest.param(lt, 2, opts, id=f"{lt}-micro2-{name}")
     for name, opts in OPTIONS.items()
-    for lt in (("grpo", "dapo", "bnpo") if name in ("truncation_mask", "beta") else ("grpo",))
+    for lt in (("grpo", "dapo", "bnpo") if name in ("truncation_mask", "beta", "full_micro_batches") else ("grpo",))
 ]
 
 
@@ -226,6 +228,8 @@ def test_unbiased_matrix(warm_model_path, dataset, tmp_path, monkeypatch, loss_t
     case = fixed_case(trainer, dataset, monkeypatch)
     if "mask_truncated_completions" in options:  # some rows are truncated, their loss mask is empty
         assert (case.full["completion_mask"].sum(-1) == 0).any()
+    if "cost_aware_full_micro_batches" in options:  # the layout was applied: 16 rows, one micro-step per step
+        assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 1)
     r = run_case(case, CHEAP_DRAWS)
     assert _detects_5_percent(r), r
     assert not r.biased(TOLERANCE), r
