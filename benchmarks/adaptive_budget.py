@@ -35,8 +35,14 @@ RECENTER_DELTA = 0.5
 METRICS_FILE = "cost_aware_metrics.jsonl"
 
 
-def auto_arm_name(delta: float, normalization: str = "none") -> str:
-    return f"auto_d{delta:g}" + ("" if normalization == "none" else f"_{normalization}")
+def auto_arm_name(delta: float, normalization: str = "none", proxy: str = "advantage") -> str:
+    name = f"auto_d{delta:g}" + ("" if normalization == "none" else f"_{normalization}")
+    return name + ("_la" if proxy == "loss_aware" else "")
+
+
+def extra_arms(runs: dict) -> list[str]:
+    """The arms of this benchmark found among the runs: auto budgets and loss-aware-proxy arms."""
+    return sorted(a for a in runs if a.startswith("auto_") or a.endswith("_la"))
 
 
 def trainer_supports_auto() -> bool:
@@ -68,20 +74,30 @@ def auto_budget_trainer(delta: float):
     return AutoBudgetTrainer
 
 
-def run_auto(delta: float, seed: int, root: str, steps: int, normalization: str = "none") -> dict:
-    name = auto_arm_name(delta, normalization)
+def run_auto(
+    delta: float, seed: int, root: str, steps: int, normalization: str = "none", proxy: str = "advantage"
+) -> dict:
+    """One auto-budget run: the trainer's own `cost_aware_kept_fraction="auto"` when it has it, else the
+    `_kept_count` subclass (the same rule on the same distribution: identical kept counts, checked on 3 steps). A
+    finished run of either kind is reused."""
+    name = auto_arm_name(delta, normalization, proxy)
     settings = {"cost_aware_weight_normalization": normalization}
-    if trainer_supports_auto():
-        settings.update(cost_aware_kept_fraction="auto", cost_aware_budget_delta=delta)
-        return common.run_arm({"trainer": "cost_aware", "settings": settings}, seed, root, name=name, steps=steps)
+    if proxy != "advantage":
+        settings["cost_aware_proxy"] = proxy
     out = os.path.join(root, f"{name}__s{seed}")
     path = os.path.join(out, "run_result.json")
     spec = {"trainer": "auto_budget_subclass", "delta": delta, "settings": settings}
+    native = {
+        "trainer": "cost_aware",
+        "settings": {**settings, "cost_aware_kept_fraction": "auto", "cost_aware_budget_delta": delta},
+    }
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             cached = json.load(fh)
-        if cached.get("spec") == spec and cached.get("steps") == steps:
+        if cached.get("spec") in (spec, native) and cached.get("steps") == steps:
             return cached
+    if trainer_supports_auto():
+        return common.run_arm(native, seed, root, name=name, steps=steps)
     from trl_costaware.embedded.testbed import train_run
 
     result = train_run(
@@ -272,6 +288,7 @@ def plot_kept(kept: dict[str, dict], path: str, title: str) -> None:
 
 def write_results(root: str, baseline_root: str, steps: int, tag: str, command: str, auto_arms: list[str]) -> dict:
     runs = load_all(root, baseline_root, steps)
+    auto_arms = list(dict.fromkeys([*auto_arms, *extra_arms(runs)]))
     res = analyse(runs, auto_arms)
     kept = kept_fraction_summary(root, baseline_root, runs, [*FIXED_ARMS, *auto_arms])
     base = os.path.join(common.RESULTS, f"adaptive_budget_{tag}")
@@ -299,8 +316,10 @@ def write_results(root: str, baseline_root: str, steps: int, tag: str, command: 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=10)
-    p.add_argument("--deltas", type=float, nargs="+", default=list(DELTAS))
+    p.add_argument("--deltas", type=float, nargs="*", default=list(DELTAS))
     p.add_argument("--no-recenter", action="store_true", help="skip the recentred-weights auto arm")
+    p.add_argument("--proxy", default="advantage", choices=["advantage", "loss_aware"], help="proxy of the auto arms")
+    p.add_argument("--fixed-loss-aware", type=float, nargs="*", default=[], help="fixed fractions with loss_aware")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {common.DEFAULT_STEPS})")
     p.add_argument("--out", default=None, help="run folder (default outputs/bench/adaptive_budget_<tag>)")
     p.add_argument("--baseline-root", default=None, help="token-efficiency run folder with the GRPO and fixed arms")
@@ -313,7 +332,7 @@ def main(argv=None):
     baseline_root = args.baseline_root or os.path.join(common.ROOT, "outputs", "bench", "token_efficiency_full")
     command = " ".join(["python benchmarks/adaptive_budget.py", *(argv if argv is not None else sys.argv[1:])])
     auto = [(d, "none") for d in args.deltas] + ([] if args.no_recenter else [(RECENTER_DELTA, "recenter")])
-    auto_arms = [auto_arm_name(d, n) for d, n in auto]
+    auto_arms = [auto_arm_name(d, n, args.proxy) for d, n in auto]
     os.makedirs(common.RESULTS, exist_ok=True)
     if not args.analyze_only:
         t0 = time.perf_counter()
@@ -323,17 +342,26 @@ def main(argv=None):
                 for arm in ("grpo", *FIXED_ARMS):
                     if seed not in have.get(arm, {}):
                         common.run_arm(arm, seed, root, steps=steps)
-            for delta, norm in auto:
-                r = run_auto(delta, seed, root, steps, norm)
+            jobs = [(auto_arm_name(d, n, args.proxy), d, n) for d, n in auto]
+            jobs += [(f"cost_aware_{f:g}_la", f, None) for f in args.fixed_loss_aware]
+            for name, value, norm in jobs:
+                if norm is None:  # a fixed fraction with the loss-aware proxy
+                    settings = {"cost_aware_kept_fraction": value, "cost_aware_proxy": "loss_aware"}
+                    r = common.run_arm(
+                        {"trainer": "cost_aware", "settings": settings}, seed, root, name=name, steps=steps
+                    )
+                else:
+                    r = run_auto(value, seed, root, steps, norm, args.proxy)
                 print(
-                    f"{auto_arm_name(delta, norm)} seed {seed}: held-out {r['heldout_acc_start']:.3f} -> "
+                    f"{name} seed {seed}: held-out {r['heldout_acc_start']:.3f} -> "
                     f"{r['heldout_acc_end']:.3f}, policy tokens {r['totals']['policy_tokens']:,.0f}, "
                     f"train {r['train_wall_s']:.0f}s (elapsed {time.perf_counter() - t0:.0f}s)",
                     flush=True,
                 )
             write_results(root, baseline_root, steps, args.tag, command, auto_arms)
     res = write_results(root, baseline_root, steps, args.tag, command, auto_arms)
-    kept = kept_fraction_summary(root, baseline_root, load_all(root, baseline_root, steps), [*FIXED_ARMS, *auto_arms])
+    runs = load_all(root, baseline_root, steps)
+    kept = kept_fraction_summary(root, baseline_root, runs, [*FIXED_ARMS, *auto_arms, *extra_arms(runs)])
     print(markdown(res, command, kept))
 
 
