@@ -13,7 +13,7 @@ from transformers import HfArgumentParser
 
 from trl_costaware import CostAwareGRPOConfig
 from trl_costaware import trainer as trainer_module
-from trl_costaware.budget import smallest_budget, variance_inflation
+from trl_costaware.budget import inflation_terms, smallest_budget, variance_inflation
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.proxy import DEFAULT_GAMMA
 from trl_costaware.sampling import capped_kept_count, eligible_rows, sampling_distribution
@@ -169,3 +169,40 @@ def test_auto_budget_is_unbiased(warm_model_path, dataset, tmp_path, monkeypatch
     assert not r.biased(TOLERANCE), r
     fractions = trainer._metrics["train"]["cost_aware/kept_row_fraction"]
     assert fractions and max(fractions) < 1.0  # rows were dropped: the test is not a full-batch copy
+
+
+# ---------------------------------------------------------------- across ranks
+@pytest.mark.slow
+def test_auto_keeps_the_largest_count_over_ranks(warm_model_path, dataset, tmp_path, monkeypatch):
+    """`_kept_count` with a stand-in second rank: "auto" keeps the LARGEST m any rank needs (a fixed token budget
+    keeps the smallest), and logs the step's inflation as the ratio of the summed numerators and denominators."""
+    trainer = make_trainer(
+        warm_model_path, dataset, tmp_path, cost_aware_kept_fraction="auto", cost_aware_budget_delta=1.0
+    )
+    case = fixed_case(trainer, dataset, monkeypatch)
+    rows = trainer._host_row_stats(case.full)
+    eligible = eligible_rows(rows["advantages"], rows["loss_tokens"], False)
+    p = sampling_distribution(rows["advantages"].abs() / rows["costs"].sqrt(), 0.2, support=eligible)
+    g = rows["advantages"].abs()
+    own, _ = smallest_budget(g, p, 1.0)
+    k = int(eligible.sum())
+    other_terms = torch.tensor([[3.0, 5.0]], dtype=torch.float64)  # the other rank's (numerator, denominator)
+
+    def run_with_other_rank(other_m):
+        def gather(t):
+            other = torch.tensor([[other_m, k]]) if t.dtype != torch.float64 else other_terms
+            return torch.cat([t, other.to(t.dtype)])
+
+        monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
+        monkeypatch.setattr(trainer.accelerator, "gather", gather)
+        try:
+            return trainer._kept_count(p, rows, eligible, torch.device("cpu"))
+        finally:
+            monkeypatch.undo()
+
+    assert 1 < own < k
+    assert run_with_other_rank(own - 1) == own
+    assert run_with_other_rank(k) == k
+    num, den = inflation_terms(g, p, k)
+    logged = trainer._metrics["train"]["cost_aware/budget_inflation"][-1]
+    assert logged == pytest.approx((num + 3.0) / (den + 5.0))
