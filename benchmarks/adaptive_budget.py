@@ -211,7 +211,10 @@ def markdown(res: dict, command: str, kept: dict[str, dict]) -> str:
         "",
         f"Target: held-out accuracy {res['target']:.3f} (GRPO start {res['grpo_start']:.3f} + 80% of its mean "
         f"improvement to {res['grpo_end']:.3f}). Best fixed fraction (lowest mean tokens-to-target ratio vs GRPO): "
-        f"{best}. Means with 95% bootstrap intervals over seeds; ratios and differences are paired per seed.",
+        f"{best}. Means with 95% bootstrap intervals over seeds; ratios and differences are paired per seed. "
+        "Largest predicted inflation logged by an auto arm over all its steps: "
+        + ", ".join(f"{a} {v['max_inflation']:.3f}" for a, v in kept.items() if v.get("max_inflation") is not None)
+        + ".",
         "",
         "| arm | seeds (reached) | mean kept m/N | policy tokens to target | ratio vs GRPO | ratio vs best fixed | "
         "final acc | final acc − GRPO | final acc − best fixed |",
@@ -240,7 +243,9 @@ def kept_fraction_summary(root: str, baseline_root: str, runs: dict, arms: list[
                     series.append(step_series(d))
                     break
         if series:
+            inflations = [x for s in series for x in s["inflation"] if np.isfinite(x)]
             out[arm] = {
+                "max_inflation": max(inflations) if inflations else None,
                 "mean_kept_fraction": float(
                     np.mean([np.mean(s["kept_fraction"]) for s in series if s["kept_fraction"]])
                 ),
@@ -261,8 +266,8 @@ def plot_kept(kept: dict[str, dict], path: str, title: str) -> None:
         for i, s in enumerate(info["series"]):
             lab = arm if i == 0 else None
             ax1.plot(s["step"], s["kept_fraction"], color=color, alpha=0.35, lw=0.9, label=lab)
-            if any(np.isfinite(s["inflation"])):
-                ax2.plot(s["step"], s["inflation"], color=color, alpha=0.35, lw=0.9, label=lab)
+            share = np.array(s["kept_fraction"]) / np.maximum(np.array(s["informative"]), 1e-9)
+            ax2.plot(s["step"], share, color=color, alpha=0.35, lw=0.9, label=lab)
         steps = sorted({x for s in info["series"] for x in s["step"]})
         mean = [
             np.mean([s["kept_fraction"][s["step"].index(x)] for s in info["series"] if x in s["step"]]) for x in steps
@@ -279,7 +284,8 @@ def plot_kept(kept: dict[str, dict], path: str, title: str) -> None:
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=7)
     ax2.set_xlabel("optimizer step")
-    ax2.set_ylabel("predicted variance inflation I(m)")
+    ax2.set_ylabel("kept rows / informative rows")
+    ax2.set_ylim(0, 1.05)
     ax2.grid(alpha=0.3)
     ax2.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
