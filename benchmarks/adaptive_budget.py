@@ -176,6 +176,9 @@ def analyse(runs: dict[str, dict[int, dict]], auto_arms: list[str]) -> dict:
             "seeds": seeds,
             "reached": sum(v is not None for v in ttt.values()),
             "tokens_to_target": te.bootstrap_ci([v for v in ttt.values() if v is not None]),
+            "steps_to_target": te.bootstrap_ci(
+                [hit["step"] for s in seeds if (hit := te.reach(by_seed[s], target)) is not None]
+            ),
             "final_acc": te.bootstrap_ci([te.end_acc(by_seed[s]) for s in seeds]),
             "policy_tokens_total": te.bootstrap_ci([by_seed[s]["totals"]["policy_tokens"] for s in seeds]),
         }
@@ -216,14 +219,15 @@ def markdown(res: dict, command: str, kept: dict[str, dict]) -> str:
         + ", ".join(f"{a} {v['max_inflation']:.3f}" for a, v in kept.items() if v.get("max_inflation") is not None)
         + ".",
         "",
-        "| arm | seeds (reached) | mean kept m/N | policy tokens to target | ratio vs GRPO | ratio vs best fixed | "
-        "final acc | final acc − GRPO | final acc − best fixed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| arm | seeds (reached) | mean kept m/N | steps to target | policy tokens to target | ratio vs GRPO | "
+        "ratio vs best fixed | final acc | final acc − GRPO | final acc − best fixed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for arm, row in res["arms"].items():
         kf = kept.get(arm, {}).get("mean_kept_fraction")
         lines.append(
             f"| {arm} | {len(row['seeds'])} ({row['reached']}) | {'' if kf is None else f'{kf:.2f}'} | "
+            f"{_ci(row['steps_to_target'], '{:.1f}')} | "
             f"{_ci(row['tokens_to_target'], '{:,.0f}')} | {_ci(row.get('tokens_ratio_vs_grpo'))} | "
             f"{_ci(row.get(f'tokens_ratio_vs_{best}'))} | {_ci(row['final_acc'])} | "
             f"{_ci(row.get('final_acc_diff_vs_grpo'), '{:+.3f}')} | "
