@@ -192,7 +192,33 @@ def analyse(runs: dict[str, dict[int, dict]]) -> dict:
         out["arms"][arm] = a
     if "grpo_half" in runs and "cost_aware_0.5" in runs:
         out["view_b"] = view_b(runs["grpo_half"], runs["cost_aware_0.5"], target)
+    if "cost_aware_0.5" in runs:
+        out["cost_aware_vs"] = {
+            other: paired(runs["cost_aware_0.5"], runs[other], target) for other in PEERS if other in runs
+        }
     return out
+
+
+PEERS = ("zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5_recenter")
+
+
+def paired(arm: dict[int, dict], other: dict[int, dict], target: float) -> dict:
+    """`arm` against `other` on their common seeds: ratio of policy tokens and of wall seconds to the target
+    (arm / other), and the end-accuracy difference at equal steps (arm − other)."""
+    seeds = sorted(set(arm) & set(other))
+    tok, wall, d_end = [], [], []
+    for s in seeds:
+        a, b = reach(arm[s], target), reach(other[s], target)
+        d_end.append(end_acc(arm[s]) - end_acc(other[s]))
+        if a and b:
+            tok.append(a["policy_tokens"] / b["policy_tokens"])
+            wall.append(a["wall_s"] / b["wall_s"])
+    return {
+        "seeds": seeds,
+        "ratio_policy_tokens": {"ci": bootstrap_ci(tok), "n": len(tok)},
+        "ratio_wall": {"ci": bootstrap_ci(wall), "n": len(wall)},
+        "end_difference_equal_steps": bootstrap_ci(d_end),
+    }
 
 
 def view_b(half: dict[int, dict], ca: dict[int, dict], target: float) -> dict:
@@ -274,6 +300,21 @@ def markdown(res: dict, command: str) -> str:
             f"{_ci(a['end_acc'], '{:.3f}')} | {cells[3]} | {cells[4]} | {_ci(a['greedy_change'])} | "
             f"{a['policy_tokens_total'] / 1e6:.2f}M | {a['train_wall_s']:.0f} |"
         )
+    vs = res.get("cost_aware_vs")
+    if vs:
+        lines += [
+            "",
+            "Cost-Aware GRPO 0.5 against the other row rules, paired on their common seeds (ratio = Cost-Aware / "
+            "other, mean [95% CI]; Δ = Cost-Aware − other):",
+            "",
+            "| other arm | seeds | policy tokens to target, ratio | wall to target, ratio | Δ end acc., equal steps |",
+            "|---|---|---|---|---|",
+        ]
+        for other, v in vs.items():
+            lines.append(
+                f"| {other} | {len(v['seeds'])} | {_ci(v['ratio_policy_tokens']['ci'], '{:.2f}')} | "
+                f"{_ci(v['ratio_wall']['ci'], '{:.2f}')} | {_ci(v['end_difference_equal_steps'])} |"
+            )
     vb = res.get("view_b")
     if vb:
         lines += [
