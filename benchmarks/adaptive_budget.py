@@ -182,7 +182,7 @@ def analyse(runs: dict[str, dict[int, dict]], auto_arms: list[str]) -> dict:
             "final_acc": te.bootstrap_ci([te.end_acc(by_seed[s]) for s in seeds]),
             "policy_tokens_total": te.bootstrap_ci([by_seed[s]["totals"]["policy_tokens"] for s in seeds]),
         }
-        for ref_name in ("grpo", best_fixed):
+        for ref_name in dict.fromkeys(("grpo", best_fixed, *fixed)):
             if ref_name is None or ref_name == arm or ref_name not in runs:
                 continue
             ref = runs[ref_name]
@@ -233,6 +233,24 @@ def markdown(res: dict, command: str, kept: dict[str, dict]) -> str:
             f"{_ci(row.get('final_acc_diff_vs_grpo'), '{:+.3f}')} | "
             f"{_ci(row.get(f'final_acc_diff_vs_{best}'), '{:+.3f}')} |"
         )
+    auto = [a for a in res["arms"] if a.startswith("auto_") or a.endswith("_la")]
+    fixed = [a for a in res["arms"] if a in FIXED_ARMS]
+    if auto and fixed:
+        lines += [
+            "",
+            "Each auto / loss-aware arm against each fixed fraction, paired per seed (seeds both have): policy tokens "
+            "to target (ratio) and final accuracy (difference).",
+            "",
+            "| arm | " + " | ".join(f"vs {f}: tokens ratio, final acc diff" for f in fixed) + " |",
+            "|---|" + "---|" * len(fixed),
+        ]
+        for arm in auto:
+            row = res["arms"][arm]
+            cells = [
+                f"{_ci(row.get(f'tokens_ratio_vs_{f}'))}, {_ci(row.get(f'final_acc_diff_vs_{f}'), '{:+.3f}')}"
+                for f in fixed
+            ]
+            lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
