@@ -61,7 +61,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             `steps_per_generation` (at least one row per micro-step). `"auto"`: per generation batch, the smallest m
             whose predicted variance inflation over the full batch is at most `cost_aware_budget_delta`
             (docs/budget_and_proxy.md §2); the largest m any rank needs is kept on every rank.
-        cost_aware_budget_delta (`float`, defaults to `0.5`):
+        cost_aware_budget_delta (`float`, defaults to `1.0`):
             With `cost_aware_kept_fraction="auto"`: the allowed variance inflation δ ≥ 0 of the update relative to
             training on the whole generation batch (0: keep every informative row; 1: the update may be twice as
             noisy as the full batch's).
@@ -113,7 +113,7 @@ class CostAwareGRPOConfig(GRPOConfig):
         },
     )
     cost_aware_budget_delta: float = field(
-        default=0.5,
+        default=1.0,
         metadata={
             "help": "With cost_aware_kept_fraction='auto': allowed variance inflation delta >= 0 of the update over "
             "training on the whole generation batch (0: every informative row; 1: twice the full batch's noise)."
