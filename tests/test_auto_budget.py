@@ -206,3 +206,18 @@ def test_auto_keeps_the_largest_count_over_ranks(warm_model_path, dataset, tmp_p
     num, den = inflation_terms(g, p, k)
     logged = trainer._metrics["train"]["cost_aware/budget_inflation"][-1]
     assert logged == pytest.approx((num + 3.0) / (den + 5.0))
+
+
+def test_auto_parses_from_a_yaml_recipe(tmp_path):
+    """The training script's parser (TrlParser): `cost_aware_kept_fraction: auto` in a YAML recipe and on the command
+    line."""
+    import yaml
+
+    from trl_costaware.train_script import parse_args
+
+    recipe = tmp_path / "auto.yaml"
+    recipe.write_text(yaml.safe_dump({"cost_aware_kept_fraction": "auto", "cost_aware_budget_delta": 0.5}))
+    args = parse_args(["--config", str(recipe), "--output_dir", str(tmp_path), "--use_cpu", "true"])[1]
+    assert args.cost_aware_kept_fraction == "auto" and args.cost_aware_budget_delta == 0.5
+    args = parse_args(["--output_dir", str(tmp_path), "--use_cpu", "true", "--cost_aware_kept_fraction", "auto"])[1]
+    assert args.cost_aware_kept_fraction == "auto" and args.cost_aware_budget_delta == 1.0
