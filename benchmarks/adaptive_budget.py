@@ -330,12 +330,12 @@ def write_results(root: str, baseline_root: str, steps: int, tag: str, command: 
         auto_kept = {a: kept[a] for a in auto_arms if a in kept}
         if auto_kept:
             plot_kept(auto_kept, base + "_kept.png", f"Auto budget: kept fraction per step ({steps} steps)")
-        curve_arms = ("grpo", res["best_fixed"], *auto_arms)
+        curve_arms = ("grpo", *FIXED_ARMS, *auto_arms)
         te.plot_curves(
             runs,
             [a for a in curve_arms if a and a in runs],
             base + "_curves.png",
-            f"Auto budget vs best fixed fraction and GRPO ({steps} steps)",
+            f"Auto budget vs fixed fractions and GRPO ({steps} steps)",
             res["target"],
         )
     return res
