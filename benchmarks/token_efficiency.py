@@ -102,10 +102,12 @@ def acc_at(run: dict, x: float, key: str = "policy_tokens", slack: float = 0.05)
     return float(np.interp(x, xs, ys))
 
 
-def reach(run: dict, target: float) -> dict | None:
+def reach(run: dict, target: float | None) -> dict | None:
     """Where the held-out curve first reaches the target: step, policy tokens, generated tokens and wall seconds,
     linearly interpolated between the last evaluation below the target and the first at or above it (so the answer
-    is not quantised to the evaluation grid). None if the curve never reaches it."""
+    is not quantised to the evaluation grid). None if the curve never reaches it, or if there is no target."""
+    if target is None:
+        return None
     curve = run["curve"]
     for i, p in enumerate(curve):
         if p["heldout_acc"] >= target:
@@ -125,7 +127,9 @@ def analyse(runs: dict[str, dict[int, dict]]) -> dict:
     start = float(np.mean([r["heldout_acc_start"] for r in grpo.values()]))
     improvements = [end_acc(r) - r["heldout_acc_start"] for r in grpo.values()]
     gain = bootstrap_ci(improvements)
-    target = start + TARGET_FRACTION * gain[0]
+    # No claim from noise: a target exists only when GRPO's improvement is above zero with 95% confidence over seeds.
+    improved = gain[1] is not None and gain[1] > 0
+    target = start + TARGET_FRACTION * gain[0] if improved else None
     out = {
         "start_accuracy": start,
         "distinct_start_accuracies": sorted(starts),
@@ -133,7 +137,10 @@ def analyse(runs: dict[str, dict[int, dict]]) -> dict:
         "grpo_greedy_change": bootstrap_ci([r["greedy_acc_end"] - r["greedy_acc_start"] for r in grpo.values()]),
         "target": target,
         "target_rule": f"start + {TARGET_FRACTION:.0%} of GRPO's mean improvement (mean of the last {END_POINTS} "
-        "evaluations − start)",
+        "evaluations − start)"
+        if improved
+        else "none: GRPO's improvement is not above zero with 95% confidence (bootstrap over seeds; at least 2 "
+        "seeds), so no tokens-to-target is claimed",
         "arms": {},
     }
     for arm, by_seed in runs.items():
@@ -271,7 +278,8 @@ def markdown(res: dict, command: str) -> str:
         "",
         f"Start held-out accuracy {res['start_accuracy']:.3f} (every run starts from the same warm-up); GRPO's mean "
         f"improvement {_ci((res['grpo_improvement']['mean'], *res['grpo_improvement']['ci95']))} "
-        f"(greedy change {_ci(res['grpo_greedy_change'])}); target {res['target']:.3f} ({res['target_rule']}).",
+        f"(greedy change {_ci(res['grpo_greedy_change'])}); target "
+        + (f"{res['target']:.3f} ({res['target_rule']})." if res["target"] is not None else f"{res['target_rule']}."),
         "",
         "View A — same rollouts per step (64 × 16). Ratios are arm / GRPO of the same seed, over the seeds where both "
         "reached the target (mean [bootstrap 95% CI]); Δ are paired differences in held-out accuracy.",

@@ -1,5 +1,5 @@
 """The token-efficiency benchmark's baselines (benchmarks/baselines.py): the row rules, and the trainers on a tiny
-model (the zero-advantage filter must give exactly GRPO's update)."""
+model (the zero-advantage filter must give exactly GRPO's update); and its analysis on synthetic curves."""
 
 import itertools
 import os
@@ -127,3 +127,58 @@ def test_baselines_refuse_what_they_cannot_do(tmp_path, tiny_model_path):
         _trainer(ZeroAdvantageFilterTrainer, tmp_path, "x", tiny_model_path, cost_aware=False)
     with pytest.raises(ValueError, match="beta=0"):
         _trainer(ZeroAdvantageFilterTrainer, tmp_path, "y", tiny_model_path, cost_aware=True, beta=0.1)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The token-efficiency analysis (benchmarks/token_efficiency.py) on synthetic curves
+
+
+def _run(accs, tokens_per_step, seed, steps_per_point=4):
+    curve = [
+        {
+            "step": steps_per_point * i,
+            "policy_tokens": tokens_per_step * steps_per_point * i,
+            "generated_tokens": 100.0 * steps_per_point * i,
+            "wall_s": 1.0 * steps_per_point * i,
+            "heldout_acc": a,
+        }
+        for i, a in enumerate(accs)
+    ]
+    return {
+        "seed": seed,
+        "curve": curve,
+        "heldout_acc_start": accs[0],
+        "greedy_acc_start": 0.9,
+        "greedy_acc_end": 0.9,
+        "totals": {"policy_tokens": curve[-1]["policy_tokens"], "generated_tokens": curve[-1]["generated_tokens"]},
+        "train_wall_s": curve[-1]["wall_s"],
+    }
+
+
+def test_analysis_halves_tokens_for_an_arm_learning_as_fast_per_step_on_half_the_tokens():
+    import token_efficiency as te
+
+    rising = [0.5, 0.6, 0.7, 0.8, 0.9, 0.9, 0.9]
+    runs = {
+        "grpo": {s: _run(rising, 100.0, s) for s in range(4)},
+        "cost_aware_0.5": {s: _run(rising, 50.0, s) for s in range(4)},
+    }
+    res = te.analyse(runs)
+    assert res["target"] == pytest.approx(0.5 + 0.8 * 0.4)
+    ratio = res["arms"]["cost_aware_0.5"]["ratio_vs_grpo"]["policy_tokens"]
+    assert ratio["n"] == 4 and ratio["ci"][0] == pytest.approx(0.5)
+    assert res["arms"]["cost_aware_0.5"]["ratio_vs_grpo"]["step"]["ci"][0] == pytest.approx(1.0)
+    assert "| cost_aware_0.5 | 4 | 4/4 | 0.50" in te.markdown(res, "cmd")
+
+
+def test_analysis_claims_nothing_when_grpo_does_not_improve():
+    import token_efficiency as te
+
+    flat = {s: _run([0.5, 0.52, 0.49, 0.51, 0.48, 0.5, 0.5], 100.0, s) for s in range(4)}
+    flat[1] = _run([0.5, 0.5, 0.51, 0.5, 0.52, 0.53, 0.51], 100.0, 1)
+    noisy = [0.5, 0.55, 0.5, 0.53, 0.5, 0.51, 0.5]
+    runs = {"grpo": flat, "cost_aware_0.5": {s: _run(noisy, 50.0, s) for s in range(4)}}
+    res = te.analyse(runs)
+    assert res["target"] is None and "no tokens-to-target" in res["target_rule"]
+    assert res["arms"]["cost_aware_0.5"]["ratio_vs_grpo"]["policy_tokens"]["n"] == 0
+    assert "none: GRPO's improvement" in te.markdown(res, "cmd")
