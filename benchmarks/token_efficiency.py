@@ -1,6 +1,6 @@
 """Benchmark 3: policy-optimisation tokens (and wall time) to reach a fixed held-out target, on the embedded testbed.
 
-    python benchmarks/token_efficiency.py                  # 10 seeds of GRPO and Cost-Aware 0.5, 5 or 3 of the others
+    python benchmarks/token_efficiency.py                  # 10 seeds of GRPO and Cost-Aware 0.5, 5 of the others
     python benchmarks/token_efficiency.py --quick          # 2 seeds of GRPO and Cost-Aware 0.5, 30 steps
     python benchmarks/token_efficiency.py --analyze-only   # re-read the runs already in --out
 
@@ -39,7 +39,7 @@ import _common as common  # noqa: E402
 MAIN_ARMS = ("grpo", "cost_aware_0.5")  # --seeds (10)
 # --other-seeds (5)
 OTHER_ARMS = ("grpo_half", "zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5_recenter")
-KEPT_ARMS = ("cost_aware_0.25", "cost_aware_0.75")  # --kept-seeds (3)
+KEPT_ARMS = ("cost_aware_0.25", "cost_aware_0.75")  # --kept-seeds (5)
 VIEW_A = ("grpo", "zero_adv_filter", "uniform_0.5", "pods_0.5", "cost_aware_0.25", "cost_aware_0.5")
 VIEW_A += ("cost_aware_0.75", "cost_aware_0.5_recenter")
 VIEW_B = ("grpo_half", "cost_aware_0.5")
@@ -419,7 +419,7 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {common.DEFAULT_STEPS})")
     p.add_argument("--seeds", type=int, default=10, help="seeds of GRPO and Cost-Aware 0.5")
     p.add_argument("--other-seeds", type=int, default=5, help="seeds of the baselines, GRPO-half and recenter")
-    p.add_argument("--kept-seeds", type=int, default=3, help="seeds of Cost-Aware 0.25 and 0.75")
+    p.add_argument("--kept-seeds", type=int, default=5, help="seeds of Cost-Aware 0.25 and 0.75")
     p.add_argument("--eval-every", type=int, default=EVAL_GRID, help="held-out evaluation every N steps")
     p.add_argument("--out", default=None, help="run folder (default outputs/bench/token_efficiency_<tag>)")
     p.add_argument("--tag", default=None, help="results file name suffix (default full / quick)")
