@@ -83,7 +83,7 @@ class CostAwareScriptArguments(ScriptArguments):
     embedded_eval_size: int = field(
         default=256, metadata={"help": "Built-in task: number of held-out problems (used when eval_strategy != no)."}
     )
-    embedded_max_terms: int = field(default=6, metadata={"help": "Built-in task: most terms in a problem (1-6...)."})
+    embedded_max_terms: int = field(default=4, metadata={"help": "Built-in task: most terms in a problem (1-6...)."})
     embedded_model_seed: int = field(
         default=0, metadata={"help": "Built-in model (no --model_name_or_path): seed of the warmed-up tiny model."}
     )
