@@ -2,7 +2,7 @@
 
     python benchmarks/overhead.py --quick        # own runs: GRPO + cost-aware at kept 0.25/0.5/1.0, 15 steps, 1 seed
     python benchmarks/overhead.py                # own runs at 40 steps, 2 seeds
-    python benchmarks/overhead.py --from outputs/bench/token_efficiency_full   # the timers of existing runs
+    python benchmarks/overhead.py --from outputs/bench/<folder>   # the timers of existing run_many runs
 
 Every benchmark run (`benchmarks/_common.py`) times, per optimizer step: `_draw_kept_rows` (distribution, draw,
 weights, diagnostics, gathers), `_process_new_buffer` (micro-batch trimming, token counters), `_prepare_inputs`
@@ -145,6 +145,13 @@ def main(argv=None):
     if args.from_dir:
         tag = args.tag or f"from_{os.path.basename(os.path.normpath(args.from_dir))}"
         dirs = [os.path.join(args.from_dir, d) for d in sorted(os.listdir(args.from_dir))]
+        dirs = [d for d in dirs if os.path.exists(os.path.join(d, common.RESULT_FILE))]
+        if not dirs:
+            raise SystemExit(
+                f"--from {args.from_dir}: no run folder holds {common.RESULT_FILE}. Only runs made by "
+                "benchmarks/_common.run_many (this script, the sums6 token-efficiency runs) record the sampler's "
+                "timers; the testbed runs of token_efficiency.py (run_result.json) do not."
+            )
     else:
         tag = args.tag or ("quick" if args.quick else "full")
         steps = args.steps or (15 if args.quick else 40)
