@@ -314,6 +314,60 @@ def plot_kept(kept: dict[str, dict], path: str, title: str) -> None:
     fig.savefig(path)
 
 
+def plot_frontier(res: dict, path: str, title: str) -> None:
+    """Final accuracy against policy tokens to target (ratio to GRPO's, paired), per arm with 95% intervals: the
+    fixed fractions joined by a line, the auto budgets by another."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    groups = {
+        "fixed fraction": [a for a in FIXED_ARMS if a in res["arms"]],
+        "auto (δ rule)": sorted(
+            (a for a in res["arms"] if a.startswith("auto_d") and a.count("_") == 1),
+            key=lambda a: -float(a[len("auto_d") :]),
+        ),
+    }
+    for k, (label, arms) in enumerate(groups.items()):
+        xs, ys = [], []
+        for a in arms:
+            row = res["arms"][a]
+            x, y = row.get("tokens_ratio_vs_grpo"), row["final_acc"]
+            if not x or x[0] is None:
+                continue
+            xs.append(x[0])
+            ys.append(y[0])
+            xerr = [[x[0] - x[1]], [x[2] - x[0]]] if x[1] is not None else None
+            yerr = [[y[0] - y[1]], [y[2] - y[0]]] if y[1] is not None else None
+            ax.errorbar(x[0], y[0], xerr=xerr, yerr=yerr, color=f"C{k}", fmt="o", ms=4, capsize=2)
+            ax.annotate(
+                a.replace("cost_aware_", "").replace("auto_", ""),
+                (x[0], y[0]),
+                fontsize=7,
+                xytext=(4, -10),
+                textcoords="offset points",
+            )
+        order = np.argsort(xs)
+        ax.plot(np.array(xs)[order], np.array(ys)[order], color=f"C{k}", lw=1.2, label=label)
+    others = [a for a in res["arms"] if a not in sum(groups.values(), []) and a != "grpo"]
+    for a in others:
+        row = res["arms"][a]
+        x, y = row.get("tokens_ratio_vs_grpo"), row["final_acc"]
+        if x and x[0] is not None:
+            ax.plot(x[0], y[0], "s", color="grey", ms=4)
+            ax.annotate(a, (x[0], y[0]), fontsize=7, xytext=(4, 4), textcoords="offset points", color="grey")
+    grpo = res["arms"]["grpo"]["final_acc"]
+    ax.axhline(grpo[0], color="k", ls=":", lw=1, label=f"GRPO final accuracy {grpo[0]:.3f}")
+    ax.set_xlabel("policy tokens to target / GRPO's (paired mean, 95% CI)")
+    ax.set_ylabel("final held-out accuracy (mean of last 3 evals)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.savefig(path)
+
+
 def write_results(root: str, baseline_root: str, steps: int, tag: str, command: str, auto_arms: list[str]) -> dict:
     runs = load_all(root, baseline_root, steps)
     auto_arms = list(dict.fromkeys([*auto_arms, *extra_arms(runs)]))
@@ -331,6 +385,7 @@ def write_results(root: str, baseline_root: str, steps: int, tag: str, command: 
         if auto_kept:
             plot_kept(auto_kept, base + "_kept.png", f"Auto budget: kept fraction per step ({steps} steps)")
         curve_arms = ("grpo", *FIXED_ARMS, *auto_arms)
+        plot_frontier(res, base + "_frontier.png", f"Tokens to target against final accuracy ({steps} steps)")
         te.plot_curves(
             runs,
             [a for a in curve_arms if a and a in runs],
