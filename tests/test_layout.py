@@ -64,6 +64,9 @@ def test_config_applies_the_layout_before_trl_derives_the_generation_batch(tmp_p
     assert (plain.per_device_train_batch_size, plain.gradient_accumulation_steps) == (4, 4)
     with pytest.raises(ValueError, match="cost_aware_token_budget"):
         _config(tmp_path, cost_aware_token_budget=100)
+    with pytest.raises(ValueError, match="fixed cost_aware_kept_fraction"):
+        _config(tmp_path, cost_aware_kept_fraction="auto")
+    assert _config(tmp_path, cost_aware_kept_fraction="0.5").per_device_train_batch_size == 8  # parsed like the CLI
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         _config(tmp_path, gradient_accumulation_steps=3)
 

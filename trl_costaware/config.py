@@ -263,7 +263,8 @@ class CostAwareGRPOConfig(GRPOConfig):
                 )
 
     def _apply_full_micro_batch_layout(self):
-        if self.cost_aware_token_budget is not None or not isinstance(self.cost_aware_kept_fraction, int | float):
+        fraction = KeptFraction(self.cost_aware_kept_fraction)  # a float, or "auto"
+        if self.cost_aware_token_budget is not None or fraction == AUTO:
             raise ValueError(
                 "cost_aware_full_micro_batches=True needs a fixed cost_aware_kept_fraction (a number) and no "
                 "cost_aware_token_budget: the kept row count must be known when the micro-batches are sized, got "
@@ -274,7 +275,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             self.per_device_train_batch_size,
             self.gradient_accumulation_steps,
             self.steps_per_generation,
-            float(self.cost_aware_kept_fraction),
+            fraction,
         )
         self.per_device_train_batch_size = layout.per_device_train_batch_size
         self.gradient_accumulation_steps = layout.gradient_accumulation_steps
