@@ -39,12 +39,21 @@ def length_reward(completions, **kwargs):
     return [float(len(c) % 4) for c in completions]
 
 
+def binary_reward(completions, **kwargs):
+    """A 0/1 reward (even length): on the test batch one group is all equal (zero advantage on its 4 rows), the other
+    three are informative on every row."""
+    return [float(len(c) % 2 == 0) for c in completions]
+
+
+REWARDS = {"length": length_reward, "binary": binary_reward}
+
+
 @pytest.fixture(scope="module")
 def dataset():
     return arithmetic_dataset(64, seed=3)
 
 
-def make_trainer(model_path, dataset, tmp_path, *, loss_type="grpo", micro=1, **overrides):
+def make_trainer(model_path, dataset, tmp_path, *, loss_type="grpo", micro=1, reward="length", **overrides):
     kwargs = dict(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
@@ -65,7 +74,7 @@ def make_trainer(model_path, dataset, tmp_path, *, loss_type="grpo", micro=1, **
     )
     kwargs.update(overrides)
     trainer = CostAwareGRPOTrainer(
-        model_path, [length_reward], args=CostAwareGRPOConfig(**kwargs), train_dataset=dataset
+        model_path, [REWARDS[reward]], args=CostAwareGRPOConfig(**kwargs), train_dataset=dataset
     )
     trainer.model.train()
     return trainer
@@ -204,7 +213,11 @@ OPTIONS = {
     "num_iterations_2": dict(num_iterations=2),
     "multinomial": dict(cost_aware_draw="multinomial"),
     "group_by_length_pad8": dict(cost_aware_group_by_length=True, pad_to_multiple_of=8),
-    "kept_0.9_capped": dict(cost_aware_kept_fraction=0.9),
+    # a zero-advantage group: with β = 0 its rows are outside the support (the draw and the smoothing spread over the
+    # 12 informative rows only) and m = 0.9·16 → 14 is capped at 12; with β > 0 they are eligible (KL gradient)
+    "zero_signal_support": dict(reward="binary"),
+    "zero_signal_capped": dict(reward="binary", cost_aware_kept_fraction=0.9),
+    "zero_signal_beta": dict(reward="binary", beta=0.05),
     "token_budget": dict(cost_aware_token_budget=150),
     # kept rows re-cut into full micro-batches (B' = B/f, S' = f·S, G' = f·G): one micro-batch of 8 here
     "full_micro_batches": dict(cost_aware_full_micro_batches=True),
@@ -228,11 +241,19 @@ def test_unbiased_matrix(warm_model_path, dataset, tmp_path, monkeypatch, loss_t
     case = fixed_case(trainer, dataset, monkeypatch)
     if "mask_truncated_completions" in options:  # some rows are truncated, their loss mask is empty
         assert (case.full["completion_mask"].sum(-1) == 0).any()
+    informative = int((case.full["advantages"] != 0).sum())
+    if options.get("reward") == "binary":  # the case has zero-signal rows to avoid, and informative ones
+        assert 0 < informative < 14, informative
     if "cost_aware_full_micro_batches" in options:  # the layout was applied: 16 rows, one micro-step per step
         assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 1)
     r = run_case(case, CHEAP_DRAWS)
     assert _detects_5_percent(r), r
     assert not r.biased(TOLERANCE), r
+    if options.get("reward") == "binary" and "beta" not in options:  # no slot for a zero-signal row
+        metrics = trainer._metrics["train"]
+        assert set(metrics["cost_aware/kept_informative_fraction"]) == {1.0}
+        if options.get("cost_aware_kept_fraction", 0.5) > informative / 16:
+            assert set(metrics["cost_aware/batch_rows_kept"]) == {informative}  # m capped at the informative rows
 
 
 def _patched_constants(monkeypatch, **values):
