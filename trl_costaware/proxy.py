@@ -20,7 +20,7 @@ least 1 − π(y_it); confident tokens carry little gradient). The proxy is
 
 so without log-probabilities h_i = L_i^γ (token-sum types) or L_i^(γ−1) (row-mean types). γ = 1 is the default,
 from the measurements in BENCHMARKS.md §2: the cost factor's best γ moved with the model (0.4–0.9 on the old task
-after 40 steps, 1–1.9 on the testbed and early in training); for the length-only form γ = 1 was best or within
+after 40 steps, 1 after 10 steps, 1–1.9 on the testbed); for the length-only form γ = 1 was best or within
 0.03 of the best of {1/2, 3/4, 1} in every setting measured (with log-probabilities: best on the testbed, 0.1 behind
 γ = 1/2 on the old task), and for the row-mean types it gives h_i = 1, i.e. exactly |A_i| (never worse than the
 paper's proxy there). Rows with A_i = 0 or no loss
