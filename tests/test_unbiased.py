@@ -324,6 +324,7 @@ def test_unbiased_matrix_full(warm_model_path, dataset, tmp_path, monkeypatch, l
     mean, se = float(t.mean()), float(t.std() / math.sqrt(len(t)))
     print(f"mc_full {loss_type} micro={micro} {options}: K={len(t)} mean(t)={mean:.4f} SE={se:.4f}")
     assert (BOUND + POWER_Z) * se <= 0.05, (mean, se, len(t))
-    assert abs(mean - 1.0) < BOUND * se, (mean, se, len(t))
+    # The floor matters only for a deterministic draw (m capped at the informative rows: π = 1, SE = 0).
+    assert abs(mean - 1.0) < max(BOUND * se, TOLERANCE), (mean, se, len(t))
     for scale in (1.05, 0.95):  # ⟨ĝ, s·g⟩/‖s·g‖² = t/s
-        assert abs(mean / scale - 1.0) >= BOUND * se / scale, (scale, mean, se)
+        assert abs(mean / scale - 1.0) >= max(BOUND * se / scale, TOLERANCE), (scale, mean, se)
