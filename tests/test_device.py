@@ -8,37 +8,17 @@ import copy
 import pytest
 import torch
 from fake_device import FAKE, FakeAccelerator, is_marked, mark
+from test_trainer import length_reward, make_args
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
-from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c) % 4) for c in completions]
 
 
 @pytest.fixture(scope="module")
 def dataset():
     return arithmetic_dataset(64, seed=0)
-
-
-def _args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=1,
-        save_strategy="no",
-        bf16=False,
-        seed=0,
-    )
-    kwargs.update(overrides)
-    return CostAwareGRPOConfig(**kwargs)
 
 
 def test_fake_accelerator_catches_mixing():
@@ -101,7 +81,7 @@ def _post_process(trainer, dataset, monkeypatch, n_rows):
 )
 def test_post_processing_keeps_the_batch_on_its_device(tmp_path, tiny_model_path, dataset, monkeypatch, overrides):
     trainer = CostAwareGRPOTrainer(
-        tiny_model_path, [length_reward], args=_args(tmp_path, **overrides), train_dataset=dataset
+        tiny_model_path, [length_reward], args=make_args(tmp_path, max_steps=1, **overrides), train_dataset=dataset
     )
     batch, misplaced, transfers = _post_process(trainer, dataset, monkeypatch, 8)
     assert not misplaced, f"moved off the batch's device: {misplaced}"
@@ -120,7 +100,7 @@ def costs_on_host(prompt_mask, completion_mask):
 def test_deferred_log_prob_passes_on_device(tmp_path, tiny_model_path, dataset, monkeypatch):
     """With old-policy and reference passes deferred to the kept rows, the model runs on device inputs: the model's
     parameters are marked as device tensors, so a host tensor reaching the forward fails."""
-    args = _args(tmp_path, steps_per_generation=2, gradient_accumulation_steps=1, beta=0.04)
+    args = make_args(tmp_path, max_steps=1, steps_per_generation=2, gradient_accumulation_steps=1, beta=0.04)
     trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     for module in (trainer.model, trainer.ref_model):
         for t in list(module.parameters()) + list(module.buffers()):

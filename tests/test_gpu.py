@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from test_trainer import _grad, _mc_gradients, _z_score, fixed_batch, length_reward, weights_of
+from test_trainer import _grad, _mc_gradients, _z_score, fixed_batch, length_reward, make_args, weights_of
 from trl import GRPOTrainer
 
-from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 
 pytestmark = [
@@ -30,21 +30,8 @@ def dataset():
 
 
 def _args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=16,
-        max_steps=2,
-        logging_steps=1,
-        save_strategy="no",
-        bf16=True,
-        seed=0,
-        learning_rate=1e-3,
-    )
-    kwargs.update(overrides)
-    return CostAwareGRPOConfig(**kwargs)
+    """test_trainer's settings, on the GPU in bf16."""
+    return make_args(tmp_path, **{"use_cpu": False, "bf16": True, "max_completion_length": 16, **overrides})
 
 
 def _last(trainer, key):
