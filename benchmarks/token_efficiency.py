@@ -36,6 +36,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
 
+from trl_costaware.demo import finish_accuracy_plot  # noqa: E402
+
 MAIN_ARMS = ("grpo", "cost_aware_0.5")  # --seeds (10)
 # --other-seeds (5)
 OTHER_ARMS = ("grpo_half", "zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5_recenter")
@@ -370,16 +372,7 @@ def plot_curves(runs: dict[str, dict[int, dict]], arms, path: str, title: str, t
         se = ys.std(0, ddof=1) / np.sqrt(len(ys)) if len(ys) > 1 else np.zeros_like(mean)
         (line,) = ax.plot(grid / 1e6, mean, label=f"{arm} ({len(ys)} seeds)")
         ax.fill_between(grid / 1e6, mean - se, mean + se, color=line.get_color(), alpha=0.2)
-    if target is not None:
-        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.3f}")
-    ax.set_xlabel("policy-optimisation tokens (millions)")
-    ax.set_ylabel("held-out accuracy (T=1, 512 problems)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_accuracy_plot(fig, ax, target, path, title, legend_size=8)
     return path
 
 

@@ -60,6 +60,23 @@ def tokens_to_target(curve: list[dict], target: float | None) -> float | None:
     return None
 
 
+def finish_accuracy_plot(fig, ax, target: float | None, path: str, title: str, legend_size=None) -> None:
+    """Target line, axis labels, title and legend of a held-out accuracy vs policy tokens figure; saves and closes
+    it (shared by the demo and benchmarks/token_efficiency.py)."""
+    import matplotlib.pyplot as plt
+
+    if target is not None:
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.3f}")
+    ax.set_xlabel("policy-optimisation tokens (millions)")
+    ax.set_ylabel("held-out accuracy (T=1, 512 problems)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_curves(results: dict[str, dict], target: float | None, path: str, title: str) -> str:
     import matplotlib
 
@@ -71,16 +88,7 @@ def plot_curves(results: dict[str, dict], target: float | None, path: str, title
         xs = [p["policy_tokens"] / 1e6 for p in res["curve"]]
         ys = [p["heldout_acc"] for p in res["curve"]]
         ax.plot(xs, ys, marker="o", ms=3, label=name)
-    if target is not None:
-        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.3f}")
-    ax.set_xlabel("policy-optimisation tokens (millions)")
-    ax.set_ylabel("held-out accuracy (T=1, 512 problems)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    finish_accuracy_plot(fig, ax, target, path, title)
     return path
 
 
