@@ -16,20 +16,32 @@ import pytest
 import torch
 from test_trainer import last_metric, length_reward, make_args, weights_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from trl import GRPOConfig, GRPOTrainer
 from trl.generation import vllm_client as client_module
 from trl.generation import vllm_generation as generation_module
 
 from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
+from trl_costaware.vllm_ratio import VLLM_IS_MODES, vllm_importance_sampling_ratio
 
 
 class StandInEngine:
-    """Samples completions with an HF copy of the policy; counts the weight syncs it receives."""
+    """Samples completions with an HF copy of the policy; counts the weight syncs it receives.
+
+    `logp_noise` > 0 adds Gaussian noise of that scale to the log-probs it reports (a sampler that differs from the
+    trainer's model, as a real vLLM does), and `nan_every` = k > 0 reports every k-th token's log-prob as NaN (a token
+    vLLM could not score): both exercise every branch of TRL's importance-sampling correction.
+    """
+
+    logp_noise: float = 0.0
+    nan_every: int = 0
 
     def __init__(self, model_path: str):
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
         self.eos = AutoTokenizer.from_pretrained(model_path).eos_token_id
         self.generator = torch.Generator().manual_seed(0)
+        self.noise = torch.Generator().manual_seed(1)
+        self.reported = 0
         self.synced = 0
         self.calls = 0
 
@@ -52,7 +64,9 @@ class StandInEngine:
                 logp = torch.log_softmax(logits, -1)
                 token = int(torch.multinomial(logp.exp(), 1, generator=self.generator))
                 tokens.append(token)
-                logps.append(float(logp[token]))
+                reported = float(logp[token]) + self.logp_noise * float(torch.randn((), generator=self.noise))
+                self.reported += 1
+                logps.append(float("nan") if self.nan_every and self.reported % self.nan_every == 0 else reported)
                 ids.append(token)
                 if token == self.eos:
                     break
@@ -188,8 +202,9 @@ def test_vllm_paths_train_with_cost_aware_sampling(
     tmp_path, tiny_model_path, dataset, stand_in_vllm, monkeypatch, mode, correction
 ):
     """Both modes train with cost-aware sampling on; with TRL's importance-sampling correction the old-policy pass runs
-    over every generated row (TRL needs all of them for its ratio) and the reference pass over the kept rows only;
-    without it, no old-policy pass runs at all (steps aligned) and only the kept rows reach a forward pass."""
+    over the kept rows only (the ratio is formed per kept micro-batch by `vllm_ratio.py`), as does the reference pass;
+    without it, no old-policy pass runs at all (steps aligned). Either way only the kept rows reach a forward pass:
+    with the correction that saves n − m = 4 of 8 rows of no-grad policy forward per step (TRL alone runs all 8)."""
     args = make_args(
         tmp_path,
         use_vllm=True,
@@ -212,10 +227,10 @@ def test_vllm_paths_train_with_cost_aware_sampling(
     engine = stand_in_vllm(mode)
     assert engine.calls > 0 and engine.synced > 0  # generation went through the stand-in, weights were pushed
     assert not torch.equal(before, weights_of(trainer.model))
-    n, m = 8, 4
+    m = 4  # of n = 8 generated rows
     no_grad = [r for r, grad in rows if not grad]  # policy-model passes without grad: old-policy log-probs
     # The reference model is a separate module (beta > 0, no PEFT): its passes are not in `rows`.
-    assert no_grad == ([n, n] if correction else []), no_grad  # TRL's pass for its vLLM ratio, over every row
+    assert no_grad == ([m, m] if correction else []), no_grad  # the old-policy pass for the vLLM ratio: kept rows
     assert [r for r, grad in rows if grad] == [m, m]
     assert last_metric(trainer, "cost_aware/batch_rows_kept") == m
     if correction:
@@ -253,3 +268,150 @@ def test_vllm_correction_misaligned_steps_ratio_exact(tmp_path, tiny_model_path,
     assert len(pairs) == 2
     for pair in pairs:
         assert torch.equal(pair["old"][pair["mask"]], pair["new"][pair["mask"]])
+
+
+# ---------------------------------------------------------------- drift guard for vllm_ratio.py
+# Each generation runs under one (mode, clip_min, clip_max): every mode, with both bounds and with a missing one.
+RATIO_SETTINGS = [(mode, 0.8, 1.25) for mode in VLLM_IS_MODES] + [
+    ("token_mask", None, 1.25),
+    ("sequence_truncate", None, 1.25),
+    ("sequence_mask", 0.8, None),
+]
+
+
+def test_vllm_ratio_matches_trl_on_every_row_and_mode(tmp_path, tiny_model_path, dataset, stand_in_vllm, monkeypatch):
+    """`vllm_importance_sampling_ratio` equals, exactly on CPU, the ratio TRL's own `GRPOTrainer` forms inline in
+    `_generate_and_score_completions` (through its `VLLMGeneration` and the stand-in engine), on every row, for every
+    mode and clip setting: on the full batch, on each row alone and on a subset of rows trimmed to their longest
+    completion (what the cost-aware trainer sees in a kept micro-batch). The engine's log-probs are noisy and partly
+    NaN, so clipping, masking and the NaN rule all act; a change in TRL's formula fails here."""
+    monkeypatch.setattr(StandInEngine, "logp_noise", 0.15)
+    monkeypatch.setattr(StandInEngine, "nan_every", 7)
+    args = make_args(
+        tmp_path, cls=GRPOConfig, use_vllm=True, vllm_mode="colocate", max_steps=len(RATIO_SETTINGS), beta=0.0
+    )
+    trainer = GRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    settings, outputs = iter(RATIO_SETTINGS), []
+    original = trainer._generate_and_score_completions
+
+    def generate_and_score(inputs):
+        setting = next(settings)
+        trainer.vllm_importance_sampling_mode, trainer.vllm_importance_sampling_clip_min = setting[:2]
+        trainer.vllm_importance_sampling_clip_max = setting[2]
+        out = original(inputs)
+        outputs.append((setting, {k: v.detach().clone() for k, v in out.items() if torch.is_tensor(v)}))
+        return out
+
+    trainer._generate_and_score_completions = generate_and_score
+    trainer.train()
+    assert [s for s, _ in outputs] == RATIO_SETTINGS
+    for (mode, clip_min, clip_max), out in outputs:
+        trl_ratio = out["importance_sampling_ratio"]
+        old, sampling, mask = out["old_per_token_logps"], out["sampling_per_token_logps"], out["completion_mask"]
+        assert "tool_mask" not in out  # no tools here: TRL's mask is the completion mask
+
+        def ours(rows, width=None, old=old, sampling=sampling, mask=mask, mode=mode, lo=clip_min, hi=clip_max):
+            width = width or mask.shape[1]
+            return vllm_importance_sampling_ratio(
+                old[rows, :width], sampling[rows, :width], mask[rows, :width], mode=mode, clip_min=lo, clip_max=hi
+            )
+
+        everything = torch.arange(mask.shape[0])
+        assert torch.equal(ours(everything), trl_ratio), mode
+        for i in everything.tolist():
+            assert torch.equal(ours([i]), trl_ratio[[i]]), (mode, i)
+        kept = everything[1::2]
+        width = int(mask[kept].sum(1).max())
+        kept_ratio = ours(kept, width)
+        expected = trl_ratio[kept] if mode.startswith("sequence") else trl_ratio[kept, :width]
+        assert torch.equal(kept_ratio, expected), mode
+        # The noise makes every branch act: some ratios clipped (truncate) or zeroed (mask), NaN tokens at ratio 1.
+        real = mask.bool() if mode.startswith("token") else torch.ones_like(trl_ratio, dtype=torch.bool)
+        values = trl_ratio[real]
+        if mode.endswith("mask"):
+            assert (values == 0).any() and (values != 0).any(), mode
+        else:
+            bounds = [b for b in (clip_min, clip_max) if b is not None]
+            assert any((values == torch.tensor(b)).any() for b in bounds) and (values != 1).any(), mode
+        if mode.startswith("token"):
+            assert (trl_ratio[mask.bool() & sampling.isnan()] == 1).all()
+            assert (mask.bool() & sampling.isnan()).any()
+
+
+def test_vllm_ratio_refuses_unknown_mode():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="token_truncate"):
+        vllm_importance_sampling_ratio(x, x, x, mode="token", clip_min=None, clip_max=3.0)
+
+
+def _row_key(prompt_ids, prompt_mask, completion_ids, completion_mask):
+    return (
+        tuple(prompt_ids[prompt_mask.bool()].tolist()),
+        tuple(completion_ids[completion_mask.bool()].tolist()),
+    )
+
+
+@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
+def test_vllm_kept_rows_ratio_equals_trl_full_batch(
+    tmp_path, tiny_model_path, dataset, stand_in_vllm, monkeypatch, mode
+):
+    """The ratio each kept row carries into the cost-aware loss is the one plain `GRPOTrainer` computes for that row on
+    the full batch (same seed, same stand-in engine, so the same rollouts; rows matched by their tokens). Equal up to
+    float noise: the old-policy log-probs come from a pass over other padding."""
+    monkeypatch.setattr(StandInEngine, "logp_noise", 0.15)
+    monkeypatch.setattr(StandInEngine, "nan_every", 7)
+    common = dict(use_vllm=True, vllm_mode="colocate", vllm_importance_sampling_mode=mode, max_steps=1, beta=0.0)
+    common.update(vllm_importance_sampling_clip_min=0.8, vllm_importance_sampling_clip_max=1.25)
+    reference = {}
+    plain = GRPOTrainer(
+        tiny_model_path,
+        [length_reward],
+        args=make_args(tmp_path / "plain", cls=GRPOConfig, **common),
+        train_dataset=dataset,
+    )
+    original = plain._generate_and_score_completions
+
+    def generate_and_score(inputs):
+        out = original(inputs)
+        for i in range(out["completion_ids"].shape[0]):
+            key = _row_key(
+                out["prompt_ids"][i], out["prompt_mask"][i], out["completion_ids"][i], out["completion_mask"][i]
+            )
+            reference[key] = (out["importance_sampling_ratio"][i], out["completion_mask"][i].bool())
+        return out
+
+    plain._generate_and_score_completions = generate_and_score
+    plain.train()
+
+    kept = []
+    trainer = CostAwareGRPOTrainer(
+        tiny_model_path,
+        [length_reward],
+        args=make_args(tmp_path / "ca", cost_aware_kept_fraction=0.5, **common),
+        train_dataset=dataset,
+    )
+    original_loss = trainer._compute_loss
+
+    def loss(model, inputs):
+        for i in range(inputs["completion_ids"].shape[0]):
+            key = _row_key(
+                inputs["prompt_ids"][i],
+                inputs["prompt_mask"][i],
+                inputs["completion_ids"][i],
+                inputs["completion_mask"][i],
+            )
+            kept.append((key, inputs["importance_sampling_ratio"][i].detach().clone()))
+        return original_loss(model, inputs)
+
+    trainer._compute_loss = loss
+    trainer.train()
+    assert len(kept) == 4
+    for key, ratio in kept:
+        assert key in reference, "the two trainers generated different rollouts"
+        expected, row_mask = reference[key]
+        if mode.startswith("token"):
+            width = ratio.shape[0]
+            assert not row_mask[width:].any()
+            expected, ratio = expected[:width][row_mask[:width]], ratio[row_mask[:width]]
+        torch.testing.assert_close(ratio, expected, rtol=1e-5, atol=1e-6)
+    assert any((ratio != 1).any() for _, ratio in kept)  # the noise reached the kept rows' ratio

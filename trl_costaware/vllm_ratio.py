@@ -1,0 +1,57 @@
+"""TRL's vLLM importance-sampling correction, as a pure function of one batch's rows.
+
+TRL 1.16 forms this ratio inline in `GRPOTrainer._generate_and_score_completions`, right after its old-policy pass
+over every generated row. The ratio of row i depends on row i alone, so the cost-aware trainer can defer that pass to
+the rows it keeps and form the ratio there, per kept micro-batch. tests/test_vllm.py compares this function, row by
+row and mode by mode, with the ratio TRL itself computes on the full batch, so a change in TRL's formula fails there.
+
+With d_it = (old_it − sampling_it) · mask_it, and NaN replaced by 0 (a token vLLM could not score gets ratio 1):
+
+    token_* modes:     r_it = exp(d_it)                        shape (B, T)
+    sequence_* modes:  r_i  = exp(Σ_t d_it)                    shape (B, 1)
+
+    *_truncate:  r ← clamp(r, clip_min, clip_max)              (a bound that is None is not applied)
+    *_mask:      r ← 0 where r < clip_min or r > clip_max      (a bound that is None is ±∞)
+
+Masked tokens have d = 0, so columns where the mask is 0 (padding) do not change a row's value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+VLLM_IS_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def vllm_importance_sampling_ratio(
+    old_per_token_logps: torch.Tensor,
+    sampling_per_token_logps: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    mode: str,
+    clip_min: float | None,
+    clip_max: float | None,
+) -> torch.Tensor:
+    """TRL's `importance_sampling_ratio` for these rows (formula in the module docstring).
+
+    `old_per_token_logps`, `sampling_per_token_logps`, `mask`: (B, T); `mask` is the completion mask, times the tool
+    mask when the batch has one. `mode`, `clip_min`, `clip_max`: `args.vllm_importance_sampling_mode`,
+    `args.vllm_importance_sampling_clip_min`, `args.vllm_importance_sampling_clip_max`. Returns (B, T) for the token
+    modes, (B, 1) for the sequence modes.
+    """
+    if mode not in VLLM_IS_MODES:
+        raise ValueError(
+            f"Unknown vLLM importance sampling level: {mode}. Possible values are 'token_truncate', 'token_mask', "
+            "'sequence_truncate', and 'sequence_mask'."
+        )
+    diff = torch.nan_to_num((old_per_token_logps - sampling_per_token_logps) * mask, nan=0.0)
+    if mode.startswith("sequence"):
+        diff = diff.sum(dim=-1, keepdim=True)
+    ratio = torch.exp(diff)
+    if mode.endswith("truncate"):
+        return torch.clamp(ratio, min=clip_min, max=clip_max)
+    low = clip_min if clip_min is not None else -math.inf
+    high = clip_max if clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
