@@ -204,7 +204,10 @@ def test_reward_names_resolve():
     for name in ("math_accuracy", "gsm8k_accuracy", "format", "boxed_format", "arithmetic"):
         assert callable(registry[name])
     with pytest.raises(ValueError, match="Unknown reward function"):
-        main(["--reward_funcs", "no_such_reward", "--bf16", "false", "--report_to", "none", "--output_dir", "unused"])
+        main(
+            ["--reward_funcs", "no_such_reward", "--embedded_default", "true"]
+            + ["--bf16", "false", "--report_to", "none", "--output_dir", "unused"]
+        )
 
 
 def test_math_accuracy_without_math_verify_fails_at_resolution(monkeypatch):
@@ -243,6 +246,7 @@ def test_real_recipe_parses(monkeypatch):
 def test_embedded_recipe_parses_without_a_model_or_dataset():
     script_args, training_args, model_args = parse_args(["--config", str(RECIPES / "embedded_default.yaml")])
     assert model_args.model_name_or_path is None and script_args.dataset_name is None
+    assert script_args.embedded_default  # the recipe asks for the built-in model explicitly (no model: refused)
     assert training_args.cost_aware and not training_args.bf16
     assert set(script_args.reward_funcs) <= set(reward_registry())
 

@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
+from ._compat import check_trl_version
 from .budget import AUTO, KeptFraction
 from .layout import full_micro_batch_layout
 from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
+
+check_trl_version()  # the package imports this module on first use of the config or the trainer
 
 
 def resolve_cost_fn(spec) -> Callable | None:
@@ -39,6 +42,13 @@ def resolve_cost_fn(spec) -> Callable | None:
     )
 
 
+def _is_whole(value) -> bool:
+    """An int, or a float with an integral value (YAML may give 4096.0); not a bool, not a string."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+
+
 @dataclass
 class CostAwareGRPOConfig(GRPOConfig):
     r"""
@@ -47,8 +57,9 @@ class CostAwareGRPOConfig(GRPOConfig):
     Inherits every parameter of [`trl.GRPOConfig`] and adds the fields of Cost-Aware GRPO (Mohri, Globerson, Kaplan,
     Koren, Mansour, "Cost-Aware Learning", arXiv 2604.28020): after each generation batch is scored, only
     `cost_aware_kept_fraction` of its rows are used for the policy update, drawn with probability ∝ |A_i| / √c_i
-    (advantage over the square root of the row's token cost), and re-weighted so that the loss stays an unbiased
-    estimate of the full-batch GRPO loss.
+    (advantage over the square root of the row's token cost), and re-weighted so that the policy term of the loss stays
+    an unbiased estimate of the full-batch GRPO policy term (the KL and entropy terms are not re-weighted; see
+    docs/algorithm.md).
 
     The defaults are provisional: they are chosen from the benchmarks in `BENCHMARKS.md` on a tiny model and task,
     and may change as larger runs are measured.
@@ -76,13 +87,14 @@ class CostAwareGRPOConfig(GRPOConfig):
             Row cost c_i: `"prompt_completion"` (non-padding prompt + completion tokens), `"completion"`, a callable
             `fn(prompt_mask, completion_mask) -> Tensor[N]` (e.g. a FLOPs model), or `"module:function"`.
         cost_aware_smoothing (`float`, defaults to `0.1`):
-            Mix α with the uniform distribution: p = (1 − α) q + α/N. Bounds the weights by 1/α.
+            Uniform smoothing α in [0, 1] over the rows that can carry gradient S: p = (1 − α) q + α/|S| on S. Bounds
+            those rows' weights by |S|/(α N) ≤ 1/α.
         cost_aware_draw (`str`, defaults to `"systematic"`):
             `"systematic"` (fixed size, without replacement, Horvitz–Thompson weights) or `"multinomial"` (with
             replacement, Hansen–Hurwitz weights; duplicates are trained twice).
         cost_aware_weight_normalization (`str`, defaults to `"none"`):
-            `"none"` (unbiased), `"recenter"` (w − mean + 1), `"self_normalize"` (w / mean); the mean is over the
-            kept rows of all ranks.
+            `"none"` (unbiased for the policy term), `"recenter"` (w − mean + 1), `"self_normalize"` (w / mean); the
+            mean is over the kept rows of all ranks.
         cost_aware_weight_floor (`float` or `None`, defaults to `None`):
             Lower clamp for the weights (≥ 0; `"recenter"` uses 0 when unset, since weights must stay non-negative).
         cost_aware_weight_cap (`float` or `None`, defaults to `None`):
@@ -145,7 +157,8 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_smoothing: float = field(
         default=0.1,
         metadata={
-            "help": "Uniform smoothing alpha in [0, 1]: p = (1 - alpha) q + alpha / N. Bounds weights by 1/alpha."
+            "help": "Uniform smoothing alpha in [0, 1] over the rows that can carry gradient S: p = (1 - alpha) q + "
+            "alpha / |S| on S. Bounds those rows' weights by |S| / (alpha N) <= 1 / alpha."
         },
     )
     cost_aware_draw: str = field(
@@ -159,8 +172,8 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_weight_normalization: str = field(
         default="none",
         metadata={
-            "help": "'none' (unbiased), 'recenter' (w - mean + 1, floored) or 'self_normalize' (w / mean); the mean "
-            "is over the kept rows of all ranks.",
+            "help": "'none' (unbiased for the policy term), 'recenter' (w - mean + 1, floored) or 'self_normalize' "
+            "(w / mean); the mean is over the kept rows of all ranks.",
             "choices": list(WEIGHT_NORMALIZATIONS),
         },
     )
@@ -231,11 +244,19 @@ class CostAwareGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"cost_aware_budget_delta must be a finite number >= 0, got {self.cost_aware_budget_delta!r}"
             )
-        if self.cost_aware_token_budget is not None and self.cost_aware_token_budget <= 0:
-            raise ValueError(
-                "cost_aware_token_budget must be a positive number of tokens or None, "
-                f"got {self.cost_aware_token_budget}"
-            )
+        budget = self.cost_aware_token_budget
+        if budget is not None:
+            if not _is_whole(budget) or budget < 1:
+                raise ValueError(
+                    "cost_aware_token_budget must be a whole number of tokens >= 1 (per rank per generation batch) "
+                    f"or None, got {budget!r}"
+                )
+            self.cost_aware_token_budget = int(budget)
+        seed = self.cost_aware_seed
+        if seed is not None:
+            if not _is_whole(seed) or seed < 0:
+                raise ValueError(f"cost_aware_seed must be a whole number >= 0 or None (use `seed`), got {seed!r}")
+            self.cost_aware_seed = int(seed)
         if self.cost_aware_proxy not in PROXIES:
             raise ValueError(f"cost_aware_proxy must be one of {PROXIES}, got {self.cost_aware_proxy!r}")
         resolve_cost_fn(self.cost_aware_cost)  # raises with the allowed values

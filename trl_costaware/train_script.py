@@ -6,8 +6,9 @@
 
 Arguments are the fields of `CostAwareScriptArguments` (below), `CostAwareGRPOConfig` (every `GRPOConfig` field plus
 `cost_aware_*`) and TRL's `ModelConfig` (model id, dtype, LoRA); a YAML file given with ``--config`` sets defaults
-that command-line flags override. Without ``--model_name_or_path`` the built-in warmed-up tiny model is trained;
-without ``--dataset_name`` the built-in arithmetic task (with its exact-match reward) is used.
+that command-line flags override. ``--model_name_or_path`` is required, as for ``trl grpo``; ``--embedded_default``
+trains the built-in warmed-up tiny model instead (no download). Without ``--dataset_name`` the built-in arithmetic
+task (with its exact-match reward) is used.
 
 The model is loaded the way TRL's own ``trl/scripts/grpo.py`` loads it: the trainer receives the model id and
 ``model_init_kwargs`` built from `ModelConfig`; LoRA comes from ``get_peft_config(model_args)``.
@@ -84,8 +85,15 @@ class CostAwareScriptArguments(ScriptArguments):
         default=256, metadata={"help": "Built-in task: number of held-out problems (used when eval_strategy != no)."}
     )
     embedded_max_terms: int = field(default=4, metadata={"help": "Built-in task: most terms in a problem (1-6...)."})
+    embedded_default: bool = field(
+        default=False,
+        metadata={
+            "help": "Train the built-in warmed-up tiny model (no download) when --model_name_or_path is not given. "
+            "Without it, --model_name_or_path is required."
+        },
+    )
     embedded_model_seed: int = field(
-        default=0, metadata={"help": "Built-in model (no --model_name_or_path): seed of the warmed-up tiny model."}
+        default=0, metadata={"help": "Built-in model (--embedded_default): seed of the warmed-up tiny model."}
     )
 
 
@@ -255,14 +263,16 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
     from .trainer import CostAwareGRPOTrainer
 
     embedded_model = model_args.model_name_or_path is None
-    if embedded_model:
-        from .embedded.warmup import warmed_up_model_path
-
-        model_id = warmed_up_model_path(seed=script_args.embedded_model_seed)
-        logger.info("No --model_name_or_path: training the built-in warmed-up tiny model at %s", model_id)
-    else:
-        model_id = model_args.model_name_or_path
-
+    if embedded_model and not script_args.embedded_default:
+        raise ValueError(
+            "--model_name_or_path is required (a hub id or a local path), as for `trl grpo`. To train the built-in "
+            "warmed-up tiny model instead, pass --embedded_default true (or `embedded_default: true` in the YAML)."
+        )
+    if not embedded_model and script_args.embedded_default:
+        raise ValueError(
+            "--embedded_default trains the built-in tiny model; it cannot be combined with --model_name_or_path "
+            f"{model_args.model_name_or_path!r}"
+        )
     if script_args.reward_funcs:
         reward_names = list(script_args.reward_funcs)
     elif script_args.reward_model_name_or_path:
@@ -273,6 +283,16 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
     if script_args.reward_model_name_or_path:
         reward_funcs.append(script_args.reward_model_name_or_path)
     reward_funcs += resolve_reward_funcs(reward_names)
+
+    if embedded_model:
+        from .embedded.warmup import warmed_up_model_path
+
+        model_id = warmed_up_model_path(seed=script_args.embedded_model_seed)
+        logger.info("--embedded_default: training the built-in warmed-up tiny model at %s", model_id)
+    else:
+        model_id = model_args.model_name_or_path
+    if training_args.cost_aware:
+        refuse_multimodal(model_id, model_args, training_args)  # before the model (or any dataset) loads
 
     chat_format = script_args.chat_format
     if chat_format is None:
@@ -303,6 +323,25 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
         peft_config=get_peft_config(model_args),
     )
     return trainer  # the trainer attaches the tracking callbacks itself (local record, W&B group and x-axis)
+
+
+def refuse_multimodal(model_id: str, model_args: ModelConfig, training_args: CostAwareGRPOConfig) -> None:
+    """Refuse a model with a multimodal processor under ``cost_aware=True``, from its processor files alone.
+
+    Loads the processor as `GRPOTrainer` does (``AutoProcessor.from_pretrained``), which reads no weights; the trainer
+    refuses the same models, but only once the model has loaded.
+    """
+    from transformers import AutoProcessor, ProcessorMixin
+
+    processor = AutoProcessor.from_pretrained(
+        model_id, revision=model_args.model_revision, trust_remote_code=training_args.trust_remote_code
+    )
+    if isinstance(processor, ProcessorMixin):
+        raise NotImplementedError(
+            f"cost_aware=True supports text-only models; {model_id} has a multimodal processor "
+            f"({type(processor).__name__}) whose image tensors are not per-row. Set --cost_aware false to train it "
+            "with plain GRPO."
+        )
 
 
 def _check_reference_column(reward_funcs, dataset) -> None:

@@ -1,0 +1,145 @@
+"""The `trl-costaware` command: fast start for --help/--version/compare, and `train`'s refusals before any load."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+HEAVY = ("torch", "transformers", "trl", "peft", "datasets", "accelerate")
+
+
+def _modules_after(code: str) -> list[str]:
+    """The heavy modules imported by running `code` in a fresh interpreter."""
+    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _cli(*argv: str) -> str:
+    return (
+        "import contextlib, io\nfrom trl_costaware.cli import main\n"
+        f"with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    main({list(argv)!r})"
+    )
+
+
+def test_package_import_is_lazy():
+    """`import trl_costaware` imports none of torch/transformers/TRL (as TRL's own lazy __init__)."""
+    assert _modules_after("import trl_costaware") == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], []])
+def test_help_and_version_import_nothing_heavy(argv):
+    assert _modules_after(_cli(*argv)) == []
+
+
+def test_compare_help_imports_nothing_heavy():
+    """`trl-costaware compare` reads JSON records: it needs neither torch nor transformers."""
+    assert _modules_after(_cli("compare", "--help")) == [], (
+        "trl_costaware.compare imports trl_costaware.tracking (transformers) for its record names"
+    )
+
+
+def test_lazy_attributes_resolve():
+    import trl_costaware
+
+    assert trl_costaware.CostAwareGRPOTrainer.__name__ == "CostAwareGRPOTrainer"
+    assert trl_costaware.CostAwareGRPOConfig.__name__ == "CostAwareGRPOConfig"
+    assert {"CostAwareGRPOConfig", "CostAwareGRPOTrainer", "__version__"} <= set(dir(trl_costaware))
+    with pytest.raises(AttributeError, match="no_such_name"):
+        trl_costaware.no_such_name  # noqa: B018
+
+
+def test_version_prints_the_package_version(capsys):
+    import trl_costaware
+    from trl_costaware.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"trl-costaware {trl_costaware.__version__}"
+
+
+# ---------------------------------------------------------------------------------------------------- train refusals
+COMMON = ["--bf16", "false", "--report_to", "none", "--use_cpu", "true"]
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Fail the test if the built-in model is built or the trainer constructed."""
+    from trl_costaware import trainer as trainer_module
+    from trl_costaware.embedded import warmup
+
+    def built(*args, **kwargs):
+        raise AssertionError("the built-in model was built")
+
+    class Constructed:
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("the trainer (and so the model) was constructed")
+
+    monkeypatch.setattr(warmup, "warmed_up_model_path", built)
+    monkeypatch.setattr(trainer_module, "CostAwareGRPOTrainer", Constructed)
+
+
+def test_train_without_a_model_refuses(tmp_path, nothing_loads):
+    """As `trl grpo`: no --model_name_or_path, no silent toy model."""
+    from trl_costaware.cli import main
+
+    with pytest.raises(ValueError, match="--model_name_or_path is required.*--embedded_default"):
+        main(["train", *COMMON, "--output_dir", str(tmp_path)])
+
+
+def test_embedded_default_with_a_model_refuses(tmp_path, nothing_loads):
+    from trl_costaware.cli import main
+
+    with pytest.raises(ValueError, match="--embedded_default"):
+        main(
+            [
+                "train",
+                *COMMON,
+                "--output_dir",
+                str(tmp_path),
+                "--embedded_default",
+                "true",
+                "--model_name_or_path",
+                "x",
+            ]
+        )
+
+
+def test_embedded_default_trains_the_built_in_model(tmp_path, monkeypatch, tiny_model_path):
+    """--embedded_default: the built-in model is the one handed to the trainer."""
+    from trl_costaware import train_script
+    from trl_costaware import trainer as trainer_module
+    from trl_costaware.embedded import warmup
+
+    seen = {}
+
+    class Recorded:
+        def __init__(self, model, **kwargs):
+            seen["model"] = model
+
+    monkeypatch.setattr(warmup, "warmed_up_model_path", lambda seed=0: tiny_model_path)
+    monkeypatch.setattr(trainer_module, "CostAwareGRPOTrainer", Recorded)
+    args = train_script.parse_args([*COMMON, "--output_dir", str(tmp_path), "--embedded_default", "true"])
+    train_script.build_trainer(*args)
+    assert seen["model"] == tiny_model_path
+
+
+def test_multimodal_model_refused_before_it_loads(tmp_path, monkeypatch, nothing_loads):
+    """A model whose processor is multimodal is refused from its processor files, before the weights load."""
+    import transformers
+    from transformers import ProcessorMixin
+
+    class VisionProcessor(ProcessorMixin):
+        pass
+
+    def from_pretrained(model_id, **kwargs):
+        return object.__new__(VisionProcessor)
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", from_pretrained)
+    from trl_costaware.cli import main
+
+    argv = ["train", *COMMON, "--output_dir", str(tmp_path), "--model_name_or_path", "some/vlm"]
+    with pytest.raises(NotImplementedError, match="multimodal processor .*VisionProcessor"):
+        main(argv)
