@@ -12,8 +12,8 @@ from test_unbiased import CHEAP_DRAWS, TOLERANCE, _detects_5_percent, fixed_case
 from transformers import HfArgumentParser
 
 from trl_costaware import CostAwareGRPOConfig
-from trl_costaware import trainer as trainer_module
-from trl_costaware.budget import inflation_terms, smallest_budget, variance_inflation
+from trl_costaware import plan as plan_module
+from trl_costaware.budget import smallest_budget, variance_inflation
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.proxy import DEFAULT_GAMMA
 from trl_costaware.sampling import capped_kept_count, eligible_rows, sampling_distribution
@@ -65,14 +65,14 @@ def dataset():
 
 def _recorded_draws(monkeypatch):
     seen = []
-    original = trainer_module.draw_rows
+    original = plan_module.draw_rows
 
     def recorded(p, m, scheme, *args, **kwargs):
         out = original(p, m, scheme, *args, **kwargs)
         seen.append((p.clone(), m))
         return out
 
-    monkeypatch.setattr(trainer_module, "draw_rows", recorded)
+    monkeypatch.setattr(plan_module, "draw_rows", recorded)
     return seen
 
 
@@ -99,7 +99,7 @@ def test_auto_keeps_the_smallest_m_within_delta(warm_model_path, dataset, tmp_pa
         eligible = eligible_rows(rows["advantages"], rows["loss_tokens"], False)
         expected = sampling_distribution(rows["advantages"].abs() / rows["costs"].sqrt(), 0.2, support=eligible)
         torch.testing.assert_close(p, expected)
-        g = rows["advantages"].abs()
+        g = rows["advantages"].abs() * eligible
         want, _ = smallest_budget(g, p, delta, micro)
         assert m == capped_kept_count(want, int(eligible.sum()), micro)
         logged = trainer._metrics["train"]["cost_aware/budget_inflation"][-1]
@@ -171,41 +171,51 @@ def test_auto_budget_is_unbiased(warm_model_path, dataset, tmp_path, monkeypatch
     assert fractions and max(fractions) < 1.0  # rows were dropped: the test is not a full-batch copy
 
 
-# ---------------------------------------------------------------- across ranks
+# ---------------------------------------------------------------- with the truncation mask (issue 20, item 1)
 @pytest.mark.slow
-def test_auto_keeps_the_largest_count_over_ranks(warm_model_path, dataset, tmp_path, monkeypatch):
-    """`_kept_count` with a stand-in second rank: "auto" keeps the LARGEST m any rank needs (a fixed token budget
-    keeps the smallest), and logs the step's inflation as the ratio of the summed numerators and denominators."""
-    trainer = make_trainer(
-        warm_model_path, dataset, tmp_path, cost_aware_kept_fraction="auto", cost_aware_budget_delta=1.0
+def test_auto_with_truncation_mask_keeps_dropping_rows(tiny_model_path, tmp_path):
+    """`auto` with mask_truncated_completions and a cap that truncates: a truncated row (|A| > 0, no loss token) used
+    to
+    make every m look infinitely noisy (it kept all eligible rows and logged inflation inf on every step)."""
+    from test_trainer import last_metric, length_reward, make_args
+
+    from trl_costaware import CostAwareGRPOTrainer
+
+    args = make_args(
+        tmp_path,
+        max_completion_length=6,
+        mask_truncated_completions=True,
+        per_device_train_batch_size=16,
+        max_steps=3,
+        cost_aware_kept_fraction="auto",
+        cost_aware_budget_delta=1.0,
     )
-    case = fixed_case(trainer, dataset, monkeypatch)
-    rows = trainer._host_row_stats(case.full)
-    eligible = eligible_rows(rows["advantages"], rows["loss_tokens"], False)
-    p = sampling_distribution(rows["advantages"].abs() / rows["costs"].sqrt(), 0.2, support=eligible)
-    g = rows["advantages"].abs()
-    own, _ = smallest_budget(g, p, 1.0)
-    k = int(eligible.sum())
-    other_terms = torch.tensor([[3.0, 5.0]], dtype=torch.float64)  # the other rank's (numerator, denominator)
+    trainer = CostAwareGRPOTrainer(
+        tiny_model_path, [length_reward], args=args, train_dataset=arithmetic_dataset(64, seed=0)
+    )
+    truncated = []
+    original = trainer._host_row_stats
 
-    def run_with_other_rank(other_m):
-        def gather(t):
-            other = torch.tensor([[other_m, k]]) if t.dtype != torch.float64 else other_terms
-            return torch.cat([t, other.to(t.dtype)])
+    def recorded(batch):
+        rows = original(batch)
+        truncated.append(int(((rows["loss_tokens"] == 0) & (rows["advantages"] != 0)).sum()))
+        return rows
 
-        monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda self: 2))
-        monkeypatch.setattr(trainer.accelerator, "gather", gather)
-        try:
-            return trainer._kept_count(p, rows, eligible, torch.device("cpu"))
-        finally:
-            monkeypatch.undo()
-
-    assert 1 < own < k
-    assert run_with_other_rank(own - 1) == own
-    assert run_with_other_rank(k) == k
-    num, den = inflation_terms(g, p, k)
-    logged = trainer._metrics["train"]["cost_aware/budget_inflation"][-1]
-    assert logged == pytest.approx((num + 3.0) / (den + 5.0))
+    trainer._host_row_stats = recorded
+    trainer.train()
+    assert sum(truncated) > 0  # the cap did truncate rows that have an advantage
+    inflation = [
+        r["cost_aware/budget_inflation"] for r in trainer.state.log_history if "cost_aware/budget_inflation" in r
+    ]
+    kept = [r["cost_aware/batch_rows_kept"] for r in trainer.state.log_history if "cost_aware/batch_rows_kept" in r]
+    eligible = [
+        r["cost_aware/eligible_fraction"] * 16
+        for r in trainer.state.log_history
+        if "cost_aware/eligible_fraction" in r
+    ]
+    assert inflation and all(math.isfinite(i) and i <= 1.0 + 1e-9 for i in inflation), inflation
+    assert any(k < e for k, e in zip(kept, eligible, strict=True)), (kept, eligible)
+    assert last_metric(trainer, "cost_aware/kept_row_fraction") < 1.0
 
 
 def test_auto_parses_from_a_yaml_recipe(tmp_path):

@@ -12,15 +12,11 @@ from hypothesis import strategies as st
 from trl_costaware.budget import (
     AUTO,
     KeptFraction,
-    budget_over_ranks,
-    cost_trading_budget,
-    inclusion_curve,
-    inflation_curve,
     inflation_terms,
     smallest_budget,
     variance_inflation,
 )
-from trl_costaware.sampling import draw_multinomial, draw_systematic, inclusion_probabilities, sampling_distribution
+from trl_costaware.sampling import draw_multinomial, draw_systematic, sampling_distribution
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -107,26 +103,6 @@ def test_predicted_inflation_matches_monte_carlo_with_orthogonal_rows(scheme):
     assert measured == pytest.approx(predicted, rel=tol)
 
 
-@FAST
-@given(batches())
-def test_inclusion_curve_matches_the_iterative_reference(batch):
-    """The sorted closed form gives `sampling.inclusion_probabilities` for every m, capped rows and p = 0 rows too."""
-    g, _, p = batch
-    for q in (p, sampling_distribution(g, 0.0)):  # α = 0: rows with G = 0 have p = 0
-        ms = torch.arange(1, len(q) + 1)
-        expected = torch.stack([inclusion_probabilities(q, int(m)) for m in ms])
-        torch.testing.assert_close(inclusion_curve(q, ms), expected, rtol=0, atol=1e-9)
-
-
-@FAST
-@given(batches(), st.sampled_from(["systematic", "multinomial"]))
-def test_inflation_curve_matches_pointwise(batch, scheme):
-    g, _, p = batch
-    ms = torch.arange(1, len(g) + 1)
-    expected = torch.tensor([variance_inflation(g, p, int(m), scheme) for m in ms], dtype=torch.float64)
-    torch.testing.assert_close(inflation_curve(g, p, ms, scheme), expected, rtol=1e-9, atol=1e-12)
-
-
 # ---------------------------------------------------------------- the m rule
 @FAST
 @given(st.integers(1, 64).flatmap(lambda k: st.tuples(st.just(k), st.integers(0, 16))), st.floats(0.0, 5.0))
@@ -189,7 +165,7 @@ def test_bad_budget_input_is_refused(kwargs, match):
 @given(st.lists(batches(min_n=8, max_n=8), min_size=2, max_size=4), st.floats(0.0, 2.0))
 def test_largest_budget_over_ranks_keeps_the_step_within_delta(ranks, delta):
     """Every rank keeps max_r m_r rows: the step's inflation Σ_r num_r / Σ_r den_r (sums in G² units) is ≤ δ."""
-    m = budget_over_ranks(torch.tensor([smallest_budget(g, p, delta)[0] for g, _, p in ranks]))
+    m = max(smallest_budget(g, p, delta)[0] for g, _, p in ranks)  # what plan.plan_batch keeps on every rank
     terms = [inflation_terms(g, p, m) for g, _, p in ranks]
     for (g, _, p), (num, den) in zip(ranks, terms, strict=True):
         assert (num / den if den > 0 else 0.0) == pytest.approx(variance_inflation(g, p, m), abs=1e-12)
@@ -205,42 +181,15 @@ def test_inflation_terms_are_in_units_of_g_squared():
     assert num / den == pytest.approx(variance_inflation(g, p, 2))
 
 
-def test_budget_over_ranks_takes_the_largest():
-    assert budget_over_ranks(torch.tensor([4, 12, 8])) == 12
-    with pytest.raises(ValueError):
-        budget_over_ranks(torch.tensor([], dtype=torch.long))
-
-
-# ---------------------------------------------------------------- cost trading
-def test_cost_trading_without_generation_cost_is_indifferent_for_equal_rows():
-    """Equal G and c, C_gen = 0: (1 + N/m − 1) · m c = N c for every m, so the smallest m wins the tie."""
-    g = torch.ones(16, dtype=torch.float64)
-    c = torch.full((16,), 5.0, dtype=torch.float64)
-    m, _ = cost_trading_budget(g, sampling_distribution(g / c.sqrt()), c, generation_cost=0.0)
-    assert m == 1
-
-
-def test_cost_trading_keeps_everything_when_generation_dominates():
-    gen = torch.Generator().manual_seed(1)
-    g = torch.rand(32, generator=gen, dtype=torch.float64)
-    c = 1 + 10 * torch.rand(32, generator=gen, dtype=torch.float64)
-    m, inflation = cost_trading_budget(g, sampling_distribution(g / c.sqrt()), c, generation_cost=1e9)
-    assert m == 32 and inflation == pytest.approx(0.0, abs=1e-12)
-
-
-@FAST
-@given(batches(min_n=4), st.floats(0.0, 1e3), st.floats(0.0, 1e3))
-def test_cost_trading_keeps_more_rows_when_generation_is_dearer(batch, c1, c2):
-    """(1 + I(m))(C_gen + U(m)) with I decreasing and U increasing: the minimiser is non-decreasing in C_gen."""
-    g, c, p = batch
-    lo, hi = sorted((c1, c2))
-    assert cost_trading_budget(g, p, c, lo)[0] <= cost_trading_budget(g, p, c, hi)[0]
-
-
-def test_cost_trading_refuses_negative_generation_cost():
-    g = torch.ones(4)
-    with pytest.raises(ValueError, match="generation_cost"):
-        cost_trading_budget(g, sampling_distribution(g), torch.ones(4), -1.0)
+def test_a_row_that_cannot_carry_gradient_must_have_proxy_zero():
+    """The budget's contract (item 1 of issue 20): a row never drawn (p = 0) with G > 0 makes I infinite at every
+    m, so the caller (`plan.plan_batch`) passes G = 0 for rows outside the support."""
+    g = torch.tensor([1.0, 2.0, 0.5, 1.5], dtype=torch.float64)
+    support = torch.tensor([True, False, True, True])
+    p = sampling_distribution(g, 0.1, support=support)
+    assert math.isinf(variance_inflation(g, p, 3))
+    assert math.isfinite(variance_inflation(g * support, p, 2))
+    assert smallest_budget(g * support, p, 1.0)[0] < 3
 
 
 # ---------------------------------------------------------------- parsing "auto"

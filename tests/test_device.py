@@ -39,7 +39,9 @@ def test_fake_accelerator_catches_mixing():
 
 
 def _post_process(trainer, dataset, monkeypatch, n_rows):
-    """Run the trainer's batch post-processing on a real generation batch whose tensors live on the emulated device."""
+    """Run the trainer's batch post-processing on a real generation batch whose tensors live on the emulated device.
+    Returns the batch, the keys moved off the device, and the device→host transfers: the sampler's
+    (`_draw_kept_rows`) and the whole post-processing's (`_generate_and_score_completions` after TRL)."""
     trainer.model.train()
     raw = [dataset[i] for i in range(n_rows)]
     full = GRPOTrainer._generate_and_score_completions(trainer, raw)
@@ -53,7 +55,7 @@ def _post_process(trainer, dataset, monkeypatch, n_rows):
     transfers = {}
     original = trainer._draw_kept_rows
 
-    def counted(batch):  # device→host transfers made by the sampler (draw, weights, metrics)
+    def counted(batch):  # device→host transfers made by the sampler (statistics, plan, metrics)
         before = mode.transfers
         out = original(batch)
         transfers["sampler"] = mode.transfers - before
@@ -63,6 +65,7 @@ def _post_process(trainer, dataset, monkeypatch, n_rows):
     with mode:
         batch = trainer._generate_and_score_completions(raw)
         misplaced = [k for k, v in batch.items() if isinstance(v, torch.Tensor) and v.device != FAKE]
+    transfers["post_processing"] = mode.transfers
     return batch, misplaced, transfers
 
 
@@ -85,8 +88,9 @@ def test_post_processing_keeps_the_batch_on_its_device(tmp_path, tiny_model_path
     )
     batch, misplaced, transfers = _post_process(trainer, dataset, monkeypatch, 8)
     assert not misplaced, f"moved off the batch's device: {misplaced}"
-    # One device→host copy of the sampler's inputs per generation batch (single process: no gather of m either).
-    assert transfers["sampler"] == 1, transfers
+    # One device→host copy of the sampler's inputs per generation batch, and nothing else after TRL (single process:
+    # no collective either).
+    assert transfers == {"sampler": 1, "post_processing": 1}, transfers
     assert len(batch["advantages"]) < 8  # rows were dropped
 
 
@@ -111,7 +115,73 @@ def test_deferred_log_prob_passes_on_device(tmp_path, tiny_model_path, dataset, 
     with FakeAccelerator():
         trainer._buffered_inputs = split_tensor_dict(batch, 2)
         trainer._process_new_buffer()
-        chunks = list(trainer._processed_chunks.values())
+        chunks = trainer._buffered_inputs
         misplaced = [k for c in chunks for k, v in c.items() if isinstance(v, torch.Tensor) and v.device != FAKE]
     assert not misplaced, f"moved off the batch's device: {misplaced}"
     assert all(c["old_per_token_logps"] is not None and c["ref_per_token_logps"] is not None for c in chunks)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"loss_type": "bnpo"},
+        {"cost_aware_group_by_length": True, "pad_to_multiple_of": 4},
+        {"loss_type": "dapo", "beta": 0.04, "mask_truncated_completions": True, "max_completion_length": 6},
+    ],
+    ids=["default", "bnpo", "grouped-pad4", "dapo-kl-truncation"],
+)
+def test_micro_batch_processing_makes_no_transfer(tmp_path, tiny_model_path, dataset, monkeypatch, overrides):
+    """`_process_new_buffer` (grouping, trimming, bnpo correction, counters) reads the micro-batches' widths and
+    tokens from the host statistics the plan already has: no device→host transfer (it made ~3 per micro-batch plus
+    one per micro-batch for the token counter). The deferred passes are stubbed (they are the model's forward)."""
+    args = make_args(tmp_path, max_steps=1, steps_per_generation=4, gradient_accumulation_steps=4, **overrides)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    batch, _, _ = _post_process(trainer, dataset, monkeypatch, 16)
+    monkeypatch.setattr(trainer, "_compute_deferred_logps", lambda chunk: None)
+    mode = FakeAccelerator()
+    with mode:
+        trainer._buffered_inputs = split_tensor_dict(batch, 4)
+        trainer._process_new_buffer()
+        chunks = trainer._buffered_inputs
+        misplaced = [k for c in chunks for k, v in c.items() if isinstance(v, torch.Tensor) and v.device != FAKE]
+    assert mode.transfers == 0, mode.transfers
+    assert not misplaced, misplaced
+    for c in chunks:  # trimmed to the longest row (rounded up to pad_to_multiple_of)
+        multiple = overrides.get("pad_to_multiple_of", 1)
+        assert c["completion_ids"].shape[1] == max(
+            1, -(-int(c["completion_mask"].sum(-1).max()) // multiple) * multiple
+        )
+        assert "cost_aware_rows" not in c
+    assert trainer._cost_aware_totals["policy_tokens_padded"] > 0
+
+
+def test_micro_and_optimizer_steps_make_no_transfer(tmp_path, tiny_model_path, dataset, monkeypatch):
+    """Per micro-step (`_compute_loss`, with the KL rescale of a token-sum loss) and per optimizer step
+    (`_clip_grad_norm`'s clipped flag) the trainer adds no transfer; the flags are read once per logging step."""
+    args = make_args(tmp_path, max_steps=1, loss_type="dapo", beta=0.04, max_grad_norm=1.0)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer.model.train()
+    betas = []
+
+    def loss(self, model, inputs):
+        betas.append(self.beta)
+        return mark(torch.tensor(0.5))
+
+    monkeypatch.setattr(GRPOTrainer, "_compute_loss", loss)
+    monkeypatch.setattr(GRPOTrainer, "_clip_grad_norm", lambda self, model: mark(torch.tensor(2.0)))
+    trainer._buffer_kl_scale = 1.5  # as the plan of a dapo generation batch sets it
+    mode = FakeAccelerator()
+    with mode:
+        for _ in range(3):
+            trainer._compute_loss(trainer.model, {})
+            trainer._clip_grad_norm(trainer.model)
+    assert mode.transfers == 0, mode.transfers
+    assert betas == [pytest.approx(0.06)] * 3 and trainer.beta == 0.04
+    logged = {}
+    monkeypatch.setattr(GRPOTrainer, "log", lambda self, logs, start_time=None: logged.update(self._metrics["train"]))
+    with mode:
+        trainer.log({})
+    assert mode.transfers == 1  # the three flags, in one copy
+    assert logged["cost_aware/grad_clipped"] == [1.0, 1.0, 1.0]

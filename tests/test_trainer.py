@@ -520,7 +520,7 @@ def test_deferred_logps_match_trls_by_value(tmp_path, model_path, dataset):
         )
     }
     checked = 0
-    for chunk in trainer._processed_chunks.values():
+    for chunk in trainer._buffered_inputs:  # the processed micro-batches replace TRL's buffer
         for p, c, pm, cm, lp in zip(
             chunk["prompt_ids"],
             chunk["completion_ids"],
@@ -566,15 +566,36 @@ def test_pad_to_multiple_of_is_kept(tmp_path, model_path, dataset):
 
 
 def test_missing_chunk_fails_loudly(tmp_path, model_path, dataset):
+    """TRL's micro-batch is matched to its processed one by TRL's own index (_step % steps_per_generation), checked:
+    a TRL that indexed its buffer otherwise fails loudly instead of training on an unweighted micro-batch."""
     args = make_args(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
     trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.model.train()
     raw = [dataset[i] for i in range(8)]
-    trainer._prepare_inputs(raw)
-    trainer._step = 1  # the second micro-step of the same generation batch
-    trainer._processed_chunks.clear()  # as if TRL handed back an object that is not one of its buffered chunks
-    with pytest.raises(RuntimeError, match="not one of the buffered"):
-        trainer._prepare_inputs(raw)
+    original = GRPOTrainer._prepare_inputs
+
+    def other_index(self, batch):  # a TRL returning the buffer's other entry
+        original(self, batch)
+        return self._buffered_inputs[1 - self._step % 2]
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(GRPOTrainer, "_prepare_inputs", other_index):
+        with pytest.raises(RuntimeError, match="_step % steps_per_generation"):
+            trainer._prepare_inputs(raw)
+
+
+def test_processed_micro_batches_replace_trls_buffer(tmp_path, model_path, dataset):
+    """No id() matching: after the first micro-step TRL indexes the processed list itself."""
+    args = make_args(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer.model.train()
+    raw = [dataset[i] for i in range(8)]
+    first = trainer._prepare_inputs(raw)
+    assert trainer._buffered_inputs is trainer._processed_buffer and first is trainer._buffered_inputs[0]
+    trainer._step = 1
+    assert trainer._prepare_inputs(raw) is trainer._buffered_inputs[1]
+    assert "cost_aware_rows" not in first  # the host bookkeeping never reaches the loss
 
 
 @pytest.mark.parametrize("cost_aware", [True, False])

@@ -9,25 +9,55 @@ from __future__ import annotations
 
 import torch
 
-PROMPT_KEYS = ("prompt_ids", "prompt_mask")
+# Every key a text-only TRL 1.16 GRPO training batch (plus this package's own) may hold, by layout. A key in none of
+# these lists is refused (`check_keys`): deciding per-row or per-token by shape alone would pass a new per-row entry of
+# another shape through misaligned.
+PROMPT_KEYS = ("prompt_ids", "prompt_mask")  # (N, P), left-padded
+COMPLETION_KEYS = (  # (N, C), right-padded like completion_ids; trimmed with it
+    "completion_ids",
+    "completion_mask",
+    "tool_mask",
+    "old_per_token_logps",
+    "ref_per_token_logps",
+    "sampling_per_token_logps",
+    "importance_sampling_ratio",  # (N, C) for token-level modes; (N, 1) for sequence-level ones (never trimmed)
+)
+ROW_KEYS = ("advantages", "cost_aware_rows")  # (N,) tensors, or lists of N items
+SCALAR_KEYS = ("num_items_in_batch",)  # 0-dim tensors, the same for every row: passed through
+KNOWN_KEYS = PROMPT_KEYS + COMPLETION_KEYS + ROW_KEYS + SCALAR_KEYS
+
+
+def check_keys(batch: dict) -> None:
+    """Refuse a batch key this module does not know the layout of (a multimodal or future TRL entry), naming it."""
+    unknown = [key for key in batch if key not in KNOWN_KEYS]
+    if unknown:
+        raise ValueError(
+            f"CostAwareGRPOTrainer cannot select rows of the batch keys {unknown}: their layout (per row, per "
+            f"completion token, per prompt token or per batch) is unknown. Known keys: prompt {PROMPT_KEYS}, "
+            f"completion {COMPLETION_KEYS}, row {ROW_KEYS}, scalar {SCALAR_KEYS}. Set cost_aware=False to train this "
+            "batch with plain GRPO, or add the key to trl_costaware/batching.py."
+        )
 
 
 def num_rows(batch: dict) -> int:
     return len(batch["completion_ids"])
 
 
+def _take(value, indices: torch.Tensor, host_indices: list[int] | None):
+    if value is None:
+        return None
+    if isinstance(value, list):
+        return [value[i] for i in (host_indices if host_indices is not None else indices.tolist())]
+    return value[indices.to(value.device)]
+
+
 def select_rows(batch: dict, indices: torch.Tensor) -> dict:
-    """Take rows `indices` (repeats allowed) of every per-row entry; 0-dim tensors and None pass through."""
-    n = num_rows(batch)
-    out = {}
-    for key, value in batch.items():
-        if isinstance(value, torch.Tensor) and value.ndim > 0 and value.shape[0] == n:
-            out[key] = value[indices.to(value.device)]
-        elif isinstance(value, list) and len(value) == n:
-            out[key] = [value[i] for i in indices.tolist()]
-        else:
-            out[key] = value
-    return out
+    """Take rows `indices` (repeats allowed) of every per-row entry (`PROMPT_KEYS`, `COMPLETION_KEYS`, `ROW_KEYS`);
+    `SCALAR_KEYS` pass through; any other key raises (`check_keys`). Host `indices` index device tensors directly
+    (no transfer) and lists without a transfer."""
+    check_keys(batch)
+    host = indices.tolist() if indices.device.type == "cpu" else None
+    return {key: value if key in SCALAR_KEYS else _take(value, indices, host) for key, value in batch.items()}
 
 
 def _round_up(width: int, multiple_of: int | None, limit: int) -> int:
@@ -36,15 +66,21 @@ def _round_up(width: int, multiple_of: int | None, limit: int) -> int:
     return min(limit, -(-width // multiple_of) * multiple_of)
 
 
-def trim_to_longest(batch: dict, multiple_of: int | None = None) -> dict:
+def trim_to_longest(batch: dict, multiple_of: int | None = None, widths: tuple[int, int] | None = None) -> dict:
     """Drop padding columns that no row of this batch uses: leading prompt columns (left padding) and trailing
-    completion columns (right padding), in every tensor that spans them. The width becomes the longest row's, rounded
-    up to a multiple of `multiple_of` (TRL's `pad_to_multiple_of`) when set, never beyond the current width."""
+    completion columns (right padding), in every `PROMPT_KEYS` / `COMPLETION_KEYS` tensor. The width becomes the
+    longest row's, rounded up to a multiple of `multiple_of` (TRL's `pad_to_multiple_of`) when set, never beyond the
+    current width. `widths` = (longest prompt, longest completion) in tokens, when the caller knows them on the host
+    (no device→host transfer); otherwise they are read from the masks (two transfers)."""
+    check_keys(batch)
     prompt_mask, completion_mask = batch["prompt_mask"], batch["completion_mask"]
     p_width, c_width = prompt_mask.shape[1], completion_mask.shape[1]
-    p_keep = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
-    used = completion_mask.bool().any(0).nonzero()
-    c_keep = int(used.max()) + 1 if len(used) else 1  # keep one column so every tensor stays 2-D and non-empty
+    if widths is None:
+        p_keep = int(prompt_mask.sum(-1).max()) if len(prompt_mask) else 0
+        c_keep = int(completion_mask.sum(-1).max()) if len(completion_mask) else 0  # right-padded: length = width
+    else:
+        p_keep, c_keep = (int(w) for w in widths)
+    c_keep = max(c_keep, 1)  # keep one column so every tensor stays 2-D and non-empty
     p_keep, c_keep = _round_up(p_keep, multiple_of, p_width), _round_up(c_keep, multiple_of, c_width)
     if p_keep == p_width and c_keep == c_width:
         return batch
@@ -52,7 +88,7 @@ def trim_to_longest(batch: dict, multiple_of: int | None = None) -> dict:
     for key, value in batch.items():
         if key in PROMPT_KEYS:
             out[key] = value[:, p_width - p_keep :]
-        elif isinstance(value, torch.Tensor) and value.ndim >= 2 and value.shape[1] == c_width:
+        elif key in COMPLETION_KEYS and value is not None and value.shape[1] == c_width:
             out[key] = value[:, :c_keep]
         else:
             out[key] = value
@@ -66,9 +102,12 @@ def row_lengths(batch: dict) -> torch.Tensor:
 
 def concat_batches(batches: list[dict]) -> dict:
     """Inverse of TRL's `split_tensor_dict` for equal-width chunks: concatenate per-row entries."""
+    check_keys(batches[0])
     out = {}
     for key, value in batches[0].items():
-        if isinstance(value, torch.Tensor) and value.ndim > 0:
+        if key in SCALAR_KEYS or value is None:
+            out[key] = value
+        elif isinstance(value, torch.Tensor):
             out[key] = torch.cat([b[key] for b in batches])
         elif isinstance(value, list):
             out[key] = [x for b in batches for x in b[key]]
@@ -77,12 +116,17 @@ def concat_batches(batches: list[dict]) -> dict:
     return out
 
 
-def regroup_by_length(batches: list[dict], generator: torch.Generator | None = None) -> list[dict]:
+def regroup_by_length(
+    batches: list[dict], generator: torch.Generator | None = None, lengths: torch.Tensor | None = None
+) -> list[dict]:
     """Re-split equal-size chunks so each holds rows of similar length (sorted by prompt + completion tokens), then
-    shuffle the chunk order. Every chunk keeps the same number of rows, which multi-process training needs."""
+    shuffle the chunk order. Every chunk keeps the same number of rows, which multi-process training needs.
+    `lengths`: the concatenated rows' lengths on the host, when the caller knows them (no device→host transfer)."""
     k = len(batches)
     merged = concat_batches(batches)
-    order = torch.argsort(row_lengths(merged), stable=True)
+    if lengths is None:
+        lengths = row_lengths(merged).cpu()
+    order = torch.argsort(lengths, stable=True)
     size = len(order) // k
     chunks = [select_rows(merged, order[i * size : (i + 1) * size]) for i in range(k)]
     perm = torch.randperm(k, generator=generator).tolist()

@@ -17,16 +17,10 @@ ignores rows with G_i = 0 (they add no variance however rarely they are drawn). 
 α = 0, π = m/k on them: I = k/m − 1, so δ = 1 keeps k/2 rows and δ = 0.25 keeps 0.8k.
 
 Since m is a function of the batch (its proxies and costs), not of the draw, the importance-weighted estimate stays
-unbiased given m. Across ranks every rank must keep the same m; `budget_over_ranks` takes the largest m any rank
-needs, so every rank's inflation, hence the whole step's (a ratio of sums is at most the largest ratio), is ≤ δ.
-
-A second rule trades the two costs of a step (ALGORITHM.md §5): in the noise-dominated regime the steps to a target
-grow like the update's variance, V_N (1 + I(m)), and each step costs C_gen + C_upd(m), with C_upd(m) = Σ_i π_i(m) c_i
-the expected policy-update tokens and C_gen the generation and scoring cost of the batch in the same units. Keeping
-
-    m* = argmin_m (1 + I(m)) · (C_gen + C_upd(m))
-
-minimises the predicted cost to the target (`cost_trading_budget`).
+unbiased given m. Across ranks every rank must keep the same m; the plan (`plan.plan_batch`) takes the largest m any
+rank needs, so every rank's inflation, hence the whole step's (a ratio of sums is at most the largest ratio), is ≤ δ.
+The proxy passed in must be 0 on rows that cannot carry gradient (e.g. a row the truncation mask hides: |A| > 0 but no
+loss token, and never drawn), or every m looks infinitely noisy.
 """
 
 from __future__ import annotations
@@ -35,7 +29,7 @@ import math
 
 import torch
 
-from .sampling import DRAW_SCHEMES, inclusion_probabilities
+from .sampling import DRAW_SCHEMES, _clean, inclusion_probabilities
 
 AUTO = "auto"
 
@@ -56,79 +50,9 @@ class KeptFraction(float):
             raise ValueError(f"a kept fraction must be a number in (0, 1] or {AUTO!r}, got {value!r}") from None
 
 
-def _clean(x: torch.Tensor) -> torch.Tensor:
-    return torch.nan_to_num(x.double(), nan=0.0, posinf=0.0, neginf=0.0)
-
-
 def _left_out(pi: torch.Tensor) -> torch.Tensor:
     """1 − π, exactly 0 for π within rounding of 1 (π = m/k at m = k is not always 1.0 in floating point)."""
     return torch.where(pi >= 1.0 - 1e-12, torch.zeros_like(pi), 1.0 - pi)
-
-
-def inclusion_curve(p: torch.Tensor, ms: torch.Tensor) -> torch.Tensor:
-    """`sampling.inclusion_probabilities(p, m)` for every m in `ms` at once, shape (len(ms), N), in O(N log N + K N).
-
-    For rows with p_i > 0, π_i(m) = min(1, λ p_i) with λ solving Σ_i min(1, λ p_i) = m. With p sorted in decreasing
-    order, f(λ) = Σ_i min(1, λ p_i) is piecewise linear with breakpoints λ_r = 1/p_(r); at λ_r the r largest rows are
-    capped and f(λ_r) = r + S_r/p_(r), S_r = Σ_{j>r} p_(j). For m below the next breakpoint, λ = (m − r)/S_r. When m
-    exceeds the number of rows with p_i > 0, those get π_i = 1 and the remaining m − n₊ is spread evenly over the
-    others (as `inclusion_probabilities` does).
-    """
-    p = _clean(p).clamp(min=0.0)
-    n = p.numel()
-    ms = torch.as_tensor(ms, dtype=torch.float64)
-    if bool(((ms <= 0) | (ms > n)).any()):
-        raise ValueError(f"every m must satisfy 0 < m <= N={n}")
-    pos = p > 0
-    n_pos = int(pos.sum())
-    out = torch.zeros(len(ms), n, dtype=torch.float64)
-    if n_pos == 0:
-        return out + (ms / n)[:, None]
-    ps, order = torch.sort(p[pos], descending=True)
-    tail = torch.flip(torch.cumsum(torch.flip(ps, [0]), 0), [0])  # tail[r] = Σ_{j>=r} ps_j (0-based) = S_r
-    r = torch.arange(n_pos, dtype=torch.float64)
-    f_at = r + tail / ps  # f at λ = 1/ps_r, where rows 0..r are capped (row r exactly at 1); non-decreasing in r
-    inside = ms < n_pos
-    capped = torch.searchsorted(f_at, ms[inside], right=True)  # rows capped at m: breakpoints with f ≤ m (< n_pos)
-    lam = (ms[inside] - capped) / tail[capped]
-    pi_pos = (lam[:, None] * ps[None, :]).clamp(max=1.0)
-    full = torch.zeros(int(inside.sum()), n_pos, dtype=torch.float64)
-    full[:, order] = pi_pos
-    idx_pos = pos.nonzero().flatten()
-    block = torch.zeros(int(inside.sum()), n, dtype=torch.float64)
-    block[:, idx_pos] = full
-    out[inside] = block
-    if bool((~inside).any()):
-        rest = ms[~inside]
-        n_zero = n - n_pos
-        fill = torch.zeros(len(rest), n, dtype=torch.float64)
-        fill[:, pos] = 1.0
-        if n_zero:
-            fill[:, ~pos] = ((rest - n_pos) / n_zero)[:, None]
-        out[~inside] = fill
-    return out.clamp(0.0, 1.0)
-
-
-def inflation_curve(g: torch.Tensor, p: torch.Tensor, ms: torch.Tensor, scheme: str = "systematic") -> torch.Tensor:
-    """`variance_inflation(g, p, m, scheme)` for every m in `ms` at once (float64; inf where a row with G > 0 can never
-    be drawn)."""
-    if scheme not in DRAW_SCHEMES:
-        raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
-    ms = torch.as_tensor(ms, dtype=torch.float64)
-    g2 = _clean(g).abs().pow(2)
-    if g2.sum() <= 0:
-        return torch.zeros(len(ms), dtype=torch.float64)
-    g2 = g2 / g2.max()
-    total, pos = g2.sum(), g2 > 0
-    if scheme == "multinomial":
-        p = _clean(p).clamp(min=0.0)
-        p = p / p.sum() if p.sum() > 0 else torch.full_like(p, 1.0 / p.numel())
-        if bool((p[pos] <= 0).any()):
-            return torch.full((len(ms),), math.inf, dtype=torch.float64)
-        return ((g2[pos] / p[pos]).sum() / total - 1.0).clamp(min=0.0) / ms
-    pi = inclusion_curve(p, ms)[:, pos]
-    terms = torch.where(pi > 0, _left_out(pi) / pi.clamp(min=1e-300), torch.full_like(pi, math.inf))
-    return (terms * g2[pos]).sum(-1) / total
 
 
 def inflation_terms(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str = "systematic") -> tuple[float, float]:
@@ -146,7 +70,7 @@ def _scaled_terms(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str) -> tupl
     """(numerator, denominator) of I(m) computed with G / max G, and max G."""
     if scheme not in DRAW_SCHEMES:
         raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
-    g = _clean(g).abs()
+    g = _clean(g).double().abs()
     if g.numel() != p.numel():
         raise ValueError(f"g and p must have the same length, got {g.numel()} and {p.numel()}")
     scale = float(g.max()) if g.numel() else 0.0
@@ -154,7 +78,7 @@ def _scaled_terms(g: torch.Tensor, p: torch.Tensor, m: int, scheme: str) -> tupl
         return 0.0, 0.0, 0.0
     g2 = (g / scale).pow(2)  # scale-free inside; keeps G² from under- or overflowing
     total, pos = g2.sum(), g2 > 0
-    p = _clean(p).clamp(min=0.0)
+    p = _clean(p).double().clamp(min=0.0)
     if scheme == "multinomial":
         if m <= 0:
             raise ValueError(f"m must be positive, got {m}")
@@ -210,42 +134,3 @@ def smallest_budget(
         else:
             lo = mid
     return hi * multiple_of, i_hi
-
-
-def cost_trading_budget(
-    g: torch.Tensor,
-    p: torch.Tensor,
-    costs: torch.Tensor,
-    generation_cost: float,
-    multiple_of: int = 1,
-    scheme: str = "systematic",
-) -> tuple[int, float]:
-    """m* = argmin_m (1 + I(m)) · (C_gen + C_upd(m)) over the multiples of `multiple_of` (module docstring).
-
-    C_upd(m) = Σ_i π_i(m) c_i (systematic) or m Σ_i p_i c_i (multinomial), in the units of `costs`;
-    `generation_cost` (C_gen ≥ 0) is the cost of generating and scoring the whole batch in the same units (e.g.
-    tokens × the ratio of a generated token's cost to a trained token's). Returns (m*, I(m*)); ties go to the
-    smallest m. All-zero G returns the smallest m.
-    """
-    n = p.numel()
-    if generation_cost < 0 or not math.isfinite(generation_cost):
-        raise ValueError(f"generation_cost must be a finite number >= 0, got {generation_cost}")
-    if multiple_of <= 0 or n % multiple_of:
-        raise ValueError(f"N={n} must be a positive multiple of multiple_of={multiple_of}")
-    c = _clean(costs).clamp(min=0.0)
-    ms = torch.arange(multiple_of, n + 1, multiple_of, dtype=torch.float64)
-    inflation = inflation_curve(g, p, ms, scheme)
-    if scheme == "multinomial":
-        upd = ms * float((_clean(p) / _clean(p).sum() * c).sum())
-    else:
-        upd = inclusion_curve(p, ms) @ c
-    total = (1.0 + inflation) * (generation_cost + upd)
-    best = int(torch.argmin(total))  # the first minimum: ties go to the smallest m
-    return int(ms[best]), float(inflation[best])
-
-
-def budget_over_ranks(m_per_rank: torch.Tensor) -> int:
-    """The m every rank keeps: the largest m any rank needs (each rank's I ≤ δ, so the step's I ≤ δ too)."""
-    if m_per_rank.numel() == 0:
-        raise ValueError("need the budget of at least one rank")
-    return int(m_per_rank.max())

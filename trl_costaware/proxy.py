@@ -1,4 +1,4 @@
-"""Loss-aware gradient-norm proxy: pure torch, no trainer in sight (docs/budget_and_proxy.md §1).
+"""Loss-aware gradient-norm proxy: pure torch, no trainer in sight (docs/budget_and_proxy.md §1, docs/algorithm.md).
 
 Row i of a GRPO generation batch enters TRL's policy loss (on-policy, ratio 1, β = 0) as
 
@@ -7,9 +7,10 @@ Row i of a GRPO generation batch enters TRL's policy loss (on-policy, ratio 1, �
 with m_it the loss mask (completion tokens, minus tool tokens) and Z_i the loss type's normaliser:
 
     row-mean types   (grpo, sapo):                     Z_i = L_i · const   (mean over the row's own tokens)
-    token-sum types  (dapo, cispo, vespo, bnpo,
+    the others       (dapo, cispo, vespo, bnpo,
                       dr_grpo, luspo):                 Z_i = const         (a batch-wide token count, B·L_max, ...)
 
+(`plan.LOSS_NORMALISERS`, the one table of TRL's normalisers, field `row_length`)
 where L_i = Σ_t m_it. The constants are shared by every row of the batch, so they cancel in a sampling
 distribution. The norm of the token sum lies between √L_i (token gradients in unrelated directions) and L_i
 (aligned); we model it as L_i^γ, or, when the sampling policy's per-token log-probabilities are known (vLLM gives
@@ -31,20 +32,17 @@ from __future__ import annotations
 
 import torch
 
-# Loss types whose policy term is a mean over the row's own tokens (Z_i ∝ L_i).
-ROW_MEAN_LOSSES = ("grpo", "sapo")
-# Loss types whose policy term is a sum over the row's tokens divided by a constant shared by the batch.
-TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo", "bnpo", "dr_grpo", "luspo")
-LOSS_TYPES = ROW_MEAN_LOSSES + TOKEN_SUM_LOSSES
+from .plan import LOSS_NORMALISERS
+from .sampling import _clean
+
+# The loss types and their normalisers are defined once, in `plan.LOSS_NORMALISERS`. Row-mean types: the divisor Z_i
+# contains the row's own token count (Z_i ∝ L_i); every other type divides by a constant shared by the batch.
+LOSS_TYPES = tuple(LOSS_NORMALISERS)
+ROW_MEAN_LOSSES = tuple(name for name, z in LOSS_NORMALISERS.items() if z.row_length)
 
 # Length exponent γ of the token-sum norm: ‖Σ_t ∇log π(y_t)‖ ≈ L^γ. See BENCHMARKS.md §2 for the measurement.
 DEFAULT_GAMMA = 1.0
 MAX_GAMMA = 2.0
-
-
-def _clean(x: torch.Tensor) -> torch.Tensor:
-    x = x if x.dtype == torch.float64 else x.float()
-    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def length_exponent(loss_type: str, gamma: float = DEFAULT_GAMMA) -> float:

@@ -1,6 +1,6 @@
 """The cost-aware sampling core: pure torch, no trainer in sight.
 
-Notation (ALGORITHM.md §1–2). A generation batch holds N rollouts; rollout i has a gradient-norm proxy
+Notation (docs/algorithm.md §1–2). A generation batch holds N rollouts; rollout i has a gradient-norm proxy
 g_i = |A_i| (its advantage) and a cost c_i (tokens). We keep m < N rows for the policy update, drawn from a
 distribution p, and weight each kept row so that
 
@@ -12,6 +12,7 @@ reads global RNG state, and none returns NaN or infinity for any finite-or-NaN i
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -25,6 +26,20 @@ WEIGHT_NORMALIZATIONS = ("none", "recenter", "self_normalize")
 # Costs are clamped to at least one token: an empty completion still costs a forward position, and a zero cost
 # would make g/√c infinite.
 MIN_COST = 1.0
+
+
+def stream_seed(seed: int, rank: int, stream: str) -> int:
+    """A 63-bit seed for random stream `stream` of process `rank`: the first 8 bytes of SHA-256("seed/rank/stream").
+
+    Streams of different names or ranks are independent for any integer seed (an offset scheme such as
+    seed·K + rank + j makes stream j of rank r the stream 0 of rank r + j)."""
+    digest = hashlib.sha256(f"trl-costaware/{int(seed)}/{int(rank)}/{stream}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def stream_generator(seed: int, rank: int, stream: str) -> torch.Generator:
+    """A host `torch.Generator` seeded with `stream_seed(seed, rank, stream)`."""
+    return torch.Generator().manual_seed(stream_seed(seed, rank, stream))
 
 
 def sequence_costs(prompt_mask: torch.Tensor, completion_mask: torch.Tensor, kind: str = "prompt_completion"):

@@ -1,14 +1,18 @@
 """`CostAwareGRPOTrainer`: GRPO that trains on a cost-aware sample of each generation batch.
 
-Mohri, Globerson, Kaplan, Koren, Mansour, "Cost-Aware Learning", arXiv 2604.28020 (2026). See ALGORITHM.md §2.
+Mohri, Globerson, Kaplan, Koren, Mansour, "Cost-Aware Learning", arXiv 2604.28020 (2026); the method as built here is
+stated in docs/algorithm.md.
 
-The trainer overrides little and copies nothing from TRL: it calls `GRPOTrainer`'s methods and post-processes what
-they return. The math lives in `sampling.py` (distribution, draw, weights, diagnostics) and `batching.py` (row
-selection, padding trimming).
+The trainer overrides little and copies nothing from TRL but the reference-model branch of the deferred log-prob pass
+(`_compute_deferred_logps`, which mirrors TRL's: TRL has no helper for it): it calls `GRPOTrainer`'s methods and
+post-processes what they return. Per generation batch it gathers the rows' statistics on the host, calls
+`plan.plan_batch` once (the whole decision: eligibility, distribution, m, draw, weights, factors, metrics) and applies
+the plan. The math lives in `sampling.py`, `budget.py`, `proxy.py`; the batch layout in `batching.py`.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager, nullcontext
 
@@ -20,34 +24,44 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
-from .budget import AUTO, inflation_terms, smallest_budget
 from .config import CostAwareGRPOConfig, resolve_cost_fn
-from .diagnostics import batch_metrics, rank_sums
+from .plan import PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .proxy import DEFAULT_GAMMA, row_factor
-from .sampling import (
-    capped_kept_count,
-    draw_rows,
-    eligible_rows,
-    gradient_proxy,
-    kept_row_count,
-    kept_rows_for_token_budget,
-    normalize_weights,
-    sampling_distribution,
-    sampling_scores,
-    sequence_costs,
-)
+from .sampling import sequence_costs, stream_generator
 from .tracking import attach_tracking, validate_report_to
-
-# Loss types whose policy term is a token sum over a normaliser fixed by the FULL generation batch
-# (`num_items_in_batch`, kept as TRL computed it before sampling). A kept row must then stand for 1/π_i rows, so its
-# factor is w_i · N/m. The row-mean types (grpo, sapo, dr_grpo, luspo) take a mean over the rows of the micro-batch,
-# whose count shrinks with sampling, so their factor is w_i = m/(N π_i).
-TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")
-# bnpo divides each micro-batch by its own token count, which sampling would bias toward short rows: we replace it
-# with the full batch's mean micro-batch token count (factor w_i · N/m · T_micro_kept / (T_full / steps_per_gen)).
-MICRO_TOKEN_MEAN_LOSSES = ("bnpo",)
+from .vllm_ratio import vllm_importance_sampling_ratio
 
 STATE_FILE = "cost_aware_state_rank{rank}.pt"
+# Entries of TRL's scored batch that the cost-aware trainer recomputes per kept micro-batch (placeholders until then).
+DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
+# TRL's vLLM metrics, computed from its old-policy pass (deferred here): replaced by their values over the kept rows.
+VLLM_METRICS = (
+    "sampling/sampling_logp_difference/mean",
+    "sampling/sampling_logp_difference/max",
+    "sampling/importance_sampling_ratio/min",
+    "sampling/importance_sampling_ratio/mean",
+    "sampling/importance_sampling_ratio/max",
+)
+
+
+class _AcceleratorCollective:
+    """`plan.Collective` over the accelerator's processes (gathers on the batch's device, one host copy each)."""
+
+    def __init__(self, accelerator, device):
+        self.accelerator, self.device = accelerator, device
+        self.rank, self.size = accelerator.process_index, accelerator.num_processes
+
+    def max_ints(self, values):
+        local = torch.tensor([list(values)], device=self.device)
+        return self.accelerator.gather(local).amax(0).cpu().tolist()
+
+    def cat(self, x):
+        return self.accelerator.gather(x.float().to(self.device)).cpu().double()
+
+    def sum(self, values):
+        local = torch.tensor([list(values.values())], dtype=torch.float64, device=self.device)
+        total = self.accelerator.gather(local).double().sum(0).cpu().tolist()
+        return dict(zip(values, total, strict=True))
 
 
 class CostAwareGRPOTrainer(GRPOTrainer):
@@ -57,18 +71,33 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     probability ∝ |A_i|/√c_i (smoothed with the uniform distribution), multiplies each kept row's advantage by its
     importance weight (a positive per-row factor scales every TRL loss type's policy term exactly), and hands the kept
     rows back to TRL, which splits them into micro-batches as usual. Dropped rows cost nothing after generation:
-    reference and old-policy log-probabilities are computed for kept rows only, and each micro-batch is trimmed to its
-    longest row.
+    the old-policy and reference log-probabilities (and, with vLLM, the importance-sampling ratio) are computed for
+    kept rows only, per micro-batch, and each micro-batch is trimmed to its longest row.
 
-    Args:
-        model, reward_funcs, **kwargs: as for `GRPOTrainer`.
-        args ([`CostAwareGRPOConfig`]): the configuration; a plain `GRPOConfig` is rejected.
+    Args: those of `GRPOTrainer.__init__`, with the same defaults (tests/test_compat.py checks it); `args` must be a
+    [`CostAwareGRPOConfig`] (a plain `GRPOConfig` is rejected).
     """
 
     _tag_names = ["trl", "grpo", "cost-aware"]
     _name = "CostAwareGRPO"
 
-    def __init__(self, model, reward_funcs, args: CostAwareGRPOConfig | None = None, **kwargs):
+    def __init__(
+        self,
+        model,
+        reward_funcs=None,
+        args: CostAwareGRPOConfig | None = None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        reward_processing_classes=None,
+        callbacks=None,
+        optimizers=(None, None),
+        quantization_config=None,
+        peft_config=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
+    ):
         if args is None:
             model_name = model if isinstance(model, str) else model.config._name_or_path
             args = CostAwareGRPOConfig(f"{model_name.split('/')[-1]}-CostAwareGRPO")
@@ -77,8 +106,25 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                 f"args must be a CostAwareGRPOConfig, got {type(args).__name__}. Replace GRPOConfig(...) with "
                 "CostAwareGRPOConfig(...): it accepts every GRPOConfig field."
             )
-        validate_report_to(args)  # fail before the model loads
-        super().__init__(model, reward_funcs, args=args, **kwargs)
+        if args.cost_aware:
+            check_loss_type(args.loss_type)  # fail before the model loads
+        validate_report_to(args)
+        super().__init__(
+            model,
+            reward_funcs,
+            args=args,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            reward_processing_classes=reward_processing_classes,
+            callbacks=callbacks,
+            optimizers=optimizers,
+            quantization_config=quantization_config,
+            peft_config=peft_config,
+            tools=tools,
+            rollout_func=rollout_func,
+            environment_factory=environment_factory,
+        )
         attach_tracking(self)  # local metrics record; W&B group and token x-axis (before TRL's WandbCallback)
         if args.cost_aware and isinstance(self.processing_class, ProcessorMixin):
             raise NotImplementedError(
@@ -87,9 +133,10 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             )
         self._cost_fn = resolve_cost_fn(args.cost_aware_cost)
         seed = args.seed if args.cost_aware_seed is None else args.cost_aware_seed
-        self._sampler_generator = torch.Generator().manual_seed(seed * 1_000_003 + self.accelerator.process_index)
-        self._grouping_generator = torch.Generator().manual_seed(seed * 1_000_003 + self.accelerator.process_index + 7)
-        self._deferred_passes = (False, False)
+        rank = self.accelerator.process_index
+        # Independent streams (a hash of seed, rank and name): grouping never shifts which rows the sampler draws.
+        self._sampler_generator = stream_generator(seed, rank, "sampler")
+        self._grouping_generator = stream_generator(seed, rank, "grouping")
         # Global (all ranks) cumulative counters, identical on every rank; saved in checkpoints.
         self._cost_aware_totals = {
             "rollout_tokens": 0.0,  # prompt + completion tokens of every generated rollout
@@ -100,92 +147,77 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             "rows_kept": 0.0,
         }
         self._processed_buffer = None
+        self._batch_plan = None  # the plan of the latest generation batch (None: a subclass's own draw)
+        self._kept_host = None  # host statistics of its kept rows, by kept position
+        self._buffer_kl_scale = None  # β multiplier of the buffer being trained on (batch-token losses)
 
     # ------------------------------------------------------------------ generation batch: sample the rows
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)  # evaluation is untouched
-        with self._scoring_hooks() as scoring:
-            batch = super()._generate_and_score_completions(inputs)
-        batch["cost_aware_generated_tokens"] = self._generated_lengths(batch, scoring["generated"])
         if not self.args.cost_aware:
+            batch = super()._generate_and_score_completions(inputs)
             self._record_generation(batch)
             return batch
-        kept, factors = self._draw_kept_rows(batch)
-        batch.pop("cost_aware_generated_tokens")
+        with self._deferred_log_prob_passes():
+            batch = super()._generate_and_score_completions(inputs)
+        for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
+            batch.pop(key, None)
+        self._batch_plan, self._batch_rows = None, None
+        kept, factors = self._draw_kept_rows(batch)  # host tensors
+        plan, rows = self._batch_plan, self._batch_rows
+        own = plan is not None and torch.equal(kept, plan.indices)
+        self._kept_host = (
+            {k: rows[k][kept] for k in ("prompt_tokens", "completion_tokens", "loss_tokens")} if own else None
+        )
+        if not own:
+            self._batch_plan = None
         advantages = batch["advantages"]
-        # The sampler works on the host: its indices and factors move to the batch's device (and dtype) here.
-        batch = select_rows(batch, kept.to(advantages.device))
+        batch = select_rows(batch, kept)  # host indices index the device tensors directly
         batch["advantages"] = batch["advantages"] * factors.to(device=advantages.device, dtype=advantages.dtype)
-        # The deferred passes run per micro-batch, on the tensors the policy pass will see (_process_new_buffer).
-        self._deferred_passes = self._passes_to_run(scoring["calls"], batch)
+        # Each row's kept position, as a host list: TRL's shuffle and split carry it along with the rows, so each
+        # micro-batch's rows (and their lengths, on the host) are known without reading the device.
+        batch["cost_aware_rows"] = list(range(len(kept)))
         return batch
 
     @contextmanager
-    def _scoring_hooks(self):
-        """While TRL scores a generation batch: record how many tokens each rollout generated (TRL's
-        `mask_truncated_completions` zeroes the mask of truncated rows, but their tokens were generated), and, with
-        cost_aware, skip its no-grad log-prob passes (old policy, reference) and record them, so they run afterwards on
-        the kept rows only. With vLLM importance-sampling correction TRL needs the old log-probs of every row at once
-        for its ratio, so that pass runs as usual."""
-        record = {"calls": [], "generated": None}
-        saved = {k: vars(self)[k] for k in ("_generate", "_get_per_token_logps_and_entropies") if k in vars(self)}
-        generate = self._generate
+    def _deferred_log_prob_passes(self):
+        """While TRL scores a generation batch, its no-grad log-prob passes (old policy, reference) return a NaN
+        placeholder instead of running: they run afterwards on the kept rows only (`_compute_deferred_logps`). With
+        the vLLM importance-sampling correction, TRL forms its ratio from the placeholder: NaN differences count as 0
+        there, so that ratio is 1 and cheap; it is dropped and formed again per kept micro-batch."""
+        saved = vars(self).get("_get_per_token_logps_and_entropies")
 
-        def recorded_generate(*args, **kwargs):
-            out = generate(*args, **kwargs)
-            record["generated"] = [len(ids) for ids in out[1]]  # (prompt_ids, completion_ids, ...)
-            return out
+        def placeholder(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            nan = torch.full((), math.nan, device=input_ids.device)
+            return nan.expand(input_ids.size(0), logits_to_keep), None, None
 
-        self._generate = recorded_generate
-        if self.args.cost_aware:
-            original = self._get_per_token_logps_and_entropies
-            run_first = self.use_vllm and self.vllm_importance_sampling_correction
-            calls = record["calls"]
-
-            def deferred(model, *args, **kwargs):
-                if run_first and not calls:
-                    calls.append("computed")
-                    return original(model, *args, **kwargs)
-                calls.append("deferred")
-                return None, None, None
-
-            self._get_per_token_logps_and_entropies = deferred
+        self._get_per_token_logps_and_entropies = placeholder
         try:
-            yield record
-        finally:  # back to the class methods, or to whatever instance attributes were there before
-            for name in ("_generate", "_get_per_token_logps_and_entropies"):
-                vars(self).pop(name, None)
-            vars(self).update(saved)
+            yield
+        finally:  # back to the class method, or to whatever instance attribute was there before
+            vars(self).pop("_get_per_token_logps_and_entropies", None)
+            if saved is not None:
+                self._get_per_token_logps_and_entropies = saved
 
-    def _generated_lengths(self, batch, recorded) -> torch.Tensor:
-        """Generated completion tokens per row (on the batch's device): from `_generate` when it ran, else (a batch
-        built another way) the completion mask."""
-        mask = batch["completion_mask"]
-        if recorded is None or len(recorded) != len(mask):
-            return mask.sum(-1)
-        return torch.tensor(recorded, device=mask.device)
-
-    def _passes_to_run(self, calls, batch) -> tuple[bool, bool]:
-        """(old policy, reference): which deferred passes TRL asked for. TRL runs the old-policy pass first (when
-        needed), then the reference pass (when beta != 0).
-
-        Under vLLM importance-sampling correction TRL ran the old-policy pass over every row, with the generation
-        batch's padding, only to form its vLLM ratio (already in the batch). Those log-probs are dropped: when the
-        clipped ratio needs old log-probs (steps misaligned, or num_iterations > 1) they are recomputed per kept
-        micro-batch like any deferred pass; otherwise TRL uses the policy pass's own detached log-probs. Either way the
-        ratio is exactly 1 at the first micro-step, as in TRL."""
-        has_ref = self.beta != 0.0 and "deferred" in calls
-        if calls[:1] == ["computed"]:
-            batch.pop("old_per_token_logps", None)
-            generate_every = self.args.steps_per_generation * self.num_iterations
-            return self.args.gradient_accumulation_steps % generate_every != 0, has_ref
-        return calls.count("deferred") - int(has_ref) == 1, has_ref
+    @property
+    def _deferred_passes(self) -> tuple[bool, bool]:
+        """(old policy, reference): whether TRL's `_generate_and_score_completions` runs each pass, by TRL's own
+        conditions: the old-policy pass when gradient_accumulation_steps is not a multiple of
+        steps_per_generation × num_iterations, or under the vLLM importance-sampling correction; the reference pass
+        when beta != 0. Otherwise TRL's loss uses the policy pass's own detached log-probs (ratio exactly 1)."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
+        return self.args.gradient_accumulation_steps % generate_every != 0 or vllm_is, self.beta != 0.0
 
     def _compute_deferred_logps(self, chunk):
-        """The old-policy / reference log-probs of one micro-batch, computed on the very tensors `_compute_loss` feeds
-        the policy pass (same rows, padding, width and batch), so that at the first micro-step the ratio is exactly 1
-        in any precision."""
+        """The old-policy / reference log-probs of one kept micro-batch, computed on the very tensors `_compute_loss`
+        feeds the policy pass (same rows, padding, width and batch), so that at the first micro-step the ratio is
+        exactly 1 in any precision; with vLLM's correction, its importance-sampling ratio from them.
+
+        The reference branch mirrors TRL's (`GRPOTrainer._generate_and_score_completions`, which has no helper for it):
+        the reference model when there is one, else the PEFT model with adapters disabled, or with the adapter "ref"
+        when TRL loaded an initial copy under that name."""
         has_old, has_ref = self._deferred_passes
         if not (has_old or has_ref):
             return
@@ -198,7 +230,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             if has_ref:
                 if self.ref_model is not None:
                     ref_model, context = self.ref_model, nullcontext()
-                else:  # PEFT: the base model (adapters disabled) or an initial copy loaded as adapter "ref"
+                else:
                     unwrapped = self.accelerator.unwrap_model(self.model)
                     ref_model = self.model
                     context = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
@@ -206,6 +238,38 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                     chunk["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
                         ref_model, ids, mask, width
                     )[0]
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            chunk["importance_sampling_ratio"] = vllm_importance_sampling_ratio(
+                chunk["old_per_token_logps"],
+                chunk["sampling_per_token_logps"],
+                self._loss_mask(chunk),
+                mode=self.vllm_importance_sampling_mode,
+                clip_min=self.vllm_importance_sampling_clip_min,
+                clip_max=self.vllm_importance_sampling_clip_max,
+            )
+
+    def _vllm_ratio_stats(self, chunk) -> torch.Tensor:
+        """On the chunk's device, no transfer: [Σ|Δ|, count, max |Δ|, min r, Σ r, count r, max r] over the loss tokens
+        (Δ = old − sampling log-prob, NaN excluded; r per token, or per row for the sequence modes), as TRL logs them
+        over the full batch."""
+        mask = self._loss_mask(chunk).bool()
+        delta = (chunk["old_per_token_logps"] - chunk["sampling_per_token_logps"]).abs()
+        valid = mask & ~torch.isnan(delta)
+        ratio = chunk["importance_sampling_ratio"]
+        on = valid.new_ones(ratio.shape) if self.vllm_importance_sampling_mode.startswith("sequence") else mask
+        zero = delta.new_zeros(())
+        inf = delta.new_full((), math.inf)
+        return torch.stack(
+            [
+                torch.where(valid, delta, zero).sum(),
+                valid.sum().to(delta.dtype),
+                torch.where(valid, delta, -inf).amax(),
+                torch.where(on, ratio, inf).amin(),
+                torch.where(on, ratio, zero).sum(),
+                on.sum().to(delta.dtype),
+                torch.where(on, ratio, -inf).amax(),
+            ]
+        )
 
     def _row_costs(self, batch) -> torch.Tensor:
         if self._cost_fn is not None:
@@ -215,24 +279,39 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             return costs.to(batch["completion_mask"].device)
         return sequence_costs(batch["prompt_mask"], batch["completion_mask"], self.args.cost_aware_cost)
 
-    def _host_row_stats(self, batch) -> dict[str, torch.Tensor]:
-        """Per-row scalars the sampler needs, copied to the host in ONE device→host transfer per generation batch
-        (the only synchronisation of the sampler's host work; the cross-rank gathers below are collectives).
+    def _generated_lengths(self, batch) -> torch.Tensor:
+        """Generated completion tokens per row, on the batch's device: the completion mask's length, or, for a row
+        `mask_truncated_completions` hid (mask all 0; its last token is neither EOS nor padding, so it is the last
+        non-padding token), the position of its last non-padding token."""
+        mask, ids = batch["completion_mask"], batch["completion_ids"]
+        lengths = mask.sum(-1)
+        if not self.mask_truncated_completions:
+            return lengths
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)
+        positions = torch.arange(1, ids.size(1) + 1, device=ids.device)
+        last = ((ids != tokenizer.pad_token_id) * positions).amax(-1)
+        return torch.where(lengths > 0, lengths, last)
+
+    def _host_row_stats(self, batch) -> RowStats:
+        """The per-row scalars the plan needs, copied to the host in ONE device→host transfer per generation batch.
 
         `costs` come from the masks the loss sees (a row hidden by `mask_truncated_completions` costs its prompt
         only, and is outside the sampling support anyway); `rollout_lengths` = prompt + generated tokens, whatever the
         masks."""
-        generated = batch.get("cost_aware_generated_tokens", batch["completion_mask"].sum(-1))
+        generated = self._generated_lengths(batch)
+        prompt = batch["prompt_mask"].sum(-1)
         columns = {
             "advantages": batch["advantages"].detach().float(),
             "costs": self._row_costs(batch).float(),
-            "rollout_lengths": (batch["prompt_mask"].sum(-1) + generated).float(),
             "loss_tokens": self._loss_mask(batch).sum(-1).float(),
-            "generated_tokens": generated.float(),
             "proxy_factors": self._proxy_factors(batch).float(),
+            "rollout_lengths": (prompt + generated).float(),
+            "generated_tokens": generated.float(),
+            "prompt_tokens": prompt.float(),
+            "completion_tokens": batch["completion_mask"].sum(-1).float(),
         }
-        host = torch.stack(list(columns.values()), dim=1).cpu()
-        return dict(zip(columns, host.unbind(1), strict=True))
+        host = torch.stack([columns[name] for name in RowStats.names()], dim=1).cpu()
+        return RowStats(*host.unbind(1))
 
     def _proxy_factors(self, batch) -> torch.Tensor:
         """h_i of the "loss_aware" proxy G_i = |A_i| h_i (`proxy.row_factor`: the loss type's normaliser and the row's
@@ -248,93 +327,26 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         """Whether a row with A = 0 still adds gradient: a KL term, an entropy bonus or a router aux loss."""
         return self.beta != 0.0 or self._entropy_bonus_enabled or bool(getattr(self, "aux_loss_enabled", False))
 
-    def _kept_count(self, p, rows, eligible, device) -> int:
-        """m for this generation batch, equal on every rank: the configured rule (fraction, or the token budget's
-        count, smallest over ranks; or with `cost_aware_kept_fraction="auto"` the smallest m whose predicted variance
-        inflation is ≤ δ, `budget.smallest_budget`, LARGEST over ranks so that every rank and the step stay within δ),
-        capped by `capped_kept_count` at what the eligible rows of the busiest rank need. One gather of two integers
-        when there are several ranks (and, with "auto", one of the inflation's two sums for the log)."""
-        args, n = self.args, len(p)
-        spg = args.steps_per_generation
-        auto = args.cost_aware_kept_fraction == AUTO
-        g = gradient_proxy(rows["advantages"], rows["proxy_factors"]) if auto else None
-        if auto:
-            m_local = smallest_budget(g, p, args.cost_aware_budget_delta, spg, args.cost_aware_draw)[0]
-        elif args.cost_aware_token_budget is not None:
-            m_local = kept_rows_for_token_budget(p, rows["costs"], args.cost_aware_token_budget, n)
-        else:
-            m_local = kept_row_count(n, args.cost_aware_kept_fraction, spg)
-        sign = 1 if auto else -1  # gather the max of sign·m: the largest m for "auto", the smallest otherwise
-        k_local = int(eligible.sum())
-        if self.accelerator.num_processes > 1:
-            both = self.accelerator.gather(torch.tensor([[sign * m_local, k_local]], device=device)).amax(0).tolist()
-            m_rule, k_max = sign * both[0], both[1]
-        else:
-            m_rule, k_max = m_local, k_local
-        m = capped_kept_count(kept_row_count(n, m_rule / n, spg), k_max, spg)
-        if auto:  # the predicted inflation of the step: Σ_ranks numerator / Σ_ranks denominator (in G² units)
-            num, den = inflation_terms(g, p, m, args.cost_aware_draw)
-            total = self._sum_over_ranks({"num": num, "den": den}, device)
-            inflation = total["num"] / total["den"] if total["den"] > 0 else 0.0
-            self._metrics["train"]["cost_aware/budget_inflation"].append(inflation)
-        return m
+    def _collective(self, device):
+        if self.accelerator.num_processes == 1:
+            return SingleProcess()
+        return _AcceleratorCollective(self.accelerator, device)
 
     def _draw_kept_rows(self, batch):
-        """Draw the kept rows of this rank's generation batch; return their indices and advantage factors, both on
-        the host (the caller moves them to the batch's device)."""
-        args = self.args
-        device = batch["advantages"].device
+        """The kept rows of this rank's generation batch and their advantage factors, both on the host: gathers the
+        rows' statistics, calls `plan.plan_batch` once, logs its metrics and counters. (Subclasses may replace it
+        with another row rule returning the same pair; the plan-only corrections then do not apply.)"""
         rows = self._host_row_stats(batch)
-        advantages, costs = rows["advantages"], rows["costs"]
-        n = len(advantages)
-        eligible = eligible_rows(advantages, rows["loss_tokens"], self._zero_advantage_carries_gradient)
-        scores = sampling_scores(advantages, costs, args.cost_aware_proxy, rows["proxy_factors"])
-        p = sampling_distribution(scores, args.cost_aware_smoothing, support=eligible)
-        m = self._kept_count(p, rows, eligible, device)
-        # Slots beyond the eligible rows (a rank with fewer of them than m) go to the cheapest rows the loss sees.
-        filler = (rows["loss_tokens"] > 0).double() / costs.double().clamp(min=1.0)
-        draw = draw_rows(p, m, args.cost_aware_draw, self._sampler_generator, filler=filler)
-
-        # Weight normalisation over the kept rows of all ranks (every rank keeps m rows, so the gather is even).
-        all_weights = draw.weights.float()
-        if self.accelerator.num_processes > 1:
-            all_weights = self.accelerator.gather(all_weights.to(device)).cpu()
-        weights, stats = normalize_weights(
-            all_weights, args.cost_aware_weight_normalization, args.cost_aware_weight_floor, args.cost_aware_weight_cap
-        )
-        rank = self.accelerator.process_index
-        factors = weights[rank * m : (rank + 1) * m]
-        if self.loss_type in TOKEN_SUM_LOSSES + MICRO_TOKEN_MEAN_LOSSES:
-            factors = factors * (n / m)
-
-        full_tokens = rows["loss_tokens"].sum()
-        kept_tokens = rows["loss_tokens"][draw.indices].sum()
-        if self.loss_type in MICRO_TOKEN_MEAN_LOSSES:
-            batch["cost_aware_full_tokens"] = full_tokens.to(device)
-        if self.beta != 0.0 and self.loss_type in TOKEN_SUM_LOSSES:
-            # The KL term is not importance-weighted (only the advantage carries the weight), so under a full-batch
-            # token normaliser it would shrink with the kept tokens; this rescales it back to the full batch's size.
-            batch["cost_aware_kl_scale"] = (full_tokens / kept_tokens.clamp(min=1)).to(device)
-
-        local = rank_sums(
-            advantages,
-            costs,
-            eligible,
-            p,
-            draw.indices,
-            rows["rollout_lengths"],
-            rows["generated_tokens"],
-            rows["loss_tokens"],
-            m,
-        )
-        total = self._sum_over_ranks(local, device)
+        settings = PlanSettings.from_args(self.args, self._zero_advantage_carries_gradient)
+        plan = plan_batch(rows, settings, self._sampler_generator, self._collective(batch["advantages"].device))
+        self._batch_plan, self._batch_rows = plan, rows
         metrics = self._metrics["train"]
-        for key, value in batch_metrics(total).items():
+        for key, value in plan.metrics.items():
             metrics[f"cost_aware/{key}"].append(value)
-        for key, value in stats.as_dict(prefix="cost_aware/weight_").items():
-            metrics[key].append(value)
-        self._add_totals(total["rows"], total["kept"], total["rollout_tokens"], total["generated_tokens"])
-        return draw.indices, factors
+        t = plan.totals
+        self._add_totals(t["rows"], t["kept"], t["rollout_tokens"], t["generated_tokens"])
+        self._cost_aware_totals["policy_tokens"] += self.num_iterations * t["policy_tokens"]
+        return plan.indices, plan.factors
 
     @staticmethod
     def _loss_mask(batch):
@@ -344,11 +356,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     def _sum_over_ranks(self, values: dict[str, float], device) -> dict[str, float]:
         """One gather of named scalars; returns their sums over ranks (identical on every rank). Single process: the
         values themselves (no device round trip)."""
-        if self.accelerator.num_processes == 1:
-            return {k: float(v) for k, v in values.items()}
-        local = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-        total = self.accelerator.gather(local.unsqueeze(0)).double().sum(0).cpu().tolist()
-        return dict(zip(values, total, strict=True))
+        return self._collective(device).sum(values)
 
     def _add_totals(self, rows: float, kept: float, rollout_tokens: float, generated_tokens: float):
         totals = self._cost_aware_totals
@@ -358,72 +366,125 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         totals["generated_tokens"] += generated_tokens
 
     def _record_generation(self, batch):
-        """Counters for a generation batch that is trained on in full (cost_aware=False)."""
-        generated = batch.pop("cost_aware_generated_tokens")
-        total = self._sum_over_ranks(
-            {
-                "rows": len(batch["completion_mask"]),
-                "rollout_tokens": float((batch["prompt_mask"].sum(-1) + generated).sum()),
-                "generated_tokens": float(generated.sum()),
-            },
-            batch["completion_mask"].device,
+        """Counters for a generation batch that is trained on in full (cost_aware=False): one transfer."""
+        generated = self._generated_lengths(batch)
+        prompt = batch["prompt_mask"].sum(-1)
+        local = torch.stack(
+            [(prompt + generated).sum(), generated.sum(), (prompt + batch["completion_mask"].sum(-1)).sum()]
         )
+        rollout, gen, policy = local.double().cpu().tolist()
+        values = {"rows": len(prompt), "rollout_tokens": rollout, "generated_tokens": gen, "policy_tokens": policy}
+        total = self._sum_over_ranks(values, prompt.device)
         self._add_totals(total["rows"], total["rows"], total["rollout_tokens"], total["generated_tokens"])
+        self._cost_aware_totals["policy_tokens"] += self.num_iterations * total["policy_tokens"]
         self._metrics["train"]["cost_aware/kept_row_fraction"].append(1.0)
         self._metrics["train"]["cost_aware/kept_token_fraction"].append(1.0)
 
     # ------------------------------------------------------------------ micro-batches: trim, group, count
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
-        if not self.model.training or self._buffered_inputs is None:
-            return inputs
-        if self._buffered_inputs is not self._processed_buffer:
-            self._process_new_buffer()
-        chunk = self._processed_chunks.get(id(inputs))
-        if chunk is None:
+        buffer = self._buffered_inputs
+        if not self.model.training or buffer is None or buffer is self._processed_buffer:
+            return inputs  # evaluation, or a micro-batch of a buffer already processed (TRL indexes our list)
+        # TRL has just generated and split a new generation batch: process all its micro-batches now, before any
+        # update, and hand TRL the processed list. TRL's own index into its buffer, checked:
+        position = self._step % self.args.steps_per_generation
+        if buffer[position] is not inputs:
             raise RuntimeError(
-                "CostAwareGRPOTrainer: the micro-batch TRL returned is not one of the buffered generation batch's "
-                "chunks, so it was never trimmed, weighted or given its deferred log-probs. This TRL version indexes "
-                "its buffer differently from the one this trainer supports."
+                "CostAwareGRPOTrainer: the micro-batch TRL returned is not its buffer's entry at _step % "
+                "steps_per_generation, so it cannot be matched to its processed (trimmed, weighted) micro-batch. This "
+                "TRL version indexes its buffer differently from the one this trainer supports."
             )
-        return chunk
+        self._process_new_buffer()
+        return self._buffered_inputs[position]
 
     def _process_new_buffer(self):
-        """Runs once per generation batch, when TRL has just split it into micro-batches (before any update)."""
+        """Runs once per generation batch, when TRL has just split it into micro-batches (before any update): length
+        grouping, trimming, the bnpo correction and the deferred passes; replaces TRL's buffer by the result."""
         chunks = list(self._buffered_inputs)
+        host, plan = self._kept_host, self._batch_plan
         if self.args.cost_aware:
+            positions = [c.get("cost_aware_rows") for c in chunks]
+            known = host is not None and all(p is not None for p in positions)
             if self.args.cost_aware_group_by_length and len(chunks) > 1:
                 # Its own generator: grouping changes padding only, never which rows the sampler draws next.
-                chunks = regroup_by_length(chunks, self._grouping_generator)
-            chunks = [trim_to_longest(c, self.pad_to_multiple_of) for c in chunks]
-            if "cost_aware_full_tokens" in chunks[0]:
+                lengths = None
+                if known:
+                    flat = [i for p in positions for i in p]
+                    lengths = (host["prompt_tokens"] + host["completion_tokens"])[flat]
+                chunks = regroup_by_length(chunks, self._grouping_generator, lengths)
+                positions = [c.get("cost_aware_rows") for c in chunks]
+            widths = [
+                (float(host["prompt_tokens"][p].max()), float(host["completion_tokens"][p].max())) if known else None
+                for p in positions
+            ]
+            chunks = [trim_to_longest(c, self.pad_to_multiple_of, w) for c, w in zip(chunks, widths, strict=True)]
+            if plan is not None and plan.micro_tokens_full is not None:
                 # bnpo: replace each micro-batch's own token count by the full batch's mean micro-batch count.
-                micro_full = chunks[0]["cost_aware_full_tokens"] / len(chunks)
-                for c in chunks:
-                    c["advantages"] = c["advantages"] * (self._loss_mask(c).sum() / micro_full).to(c["advantages"])
+                for c, p in zip(chunks, positions, strict=True):
+                    tokens = float(host["loss_tokens"][p].sum()) if known else self._loss_mask(c).sum()
+                    c["advantages"] = c["advantages"] * (tokens / plan.micro_tokens_full)
             for c in chunks:
+                c.pop("cost_aware_rows", None)
                 self._compute_deferred_logps(c)
-        # The buffer list is TRL's: map TRL's chunk objects to ours instead of re-deriving TRL's step indexing.
-        self._processed_chunks = {id(orig): new for orig, new in zip(self._buffered_inputs, chunks, strict=True)}
-        self._processed_buffer = self._buffered_inputs
+        self._buffer_kl_scale = plan.kl_scale if plan is not None else None
+        self._buffered_inputs = self._processed_buffer = chunks
         passes = self.num_iterations  # each micro-batch is trained on once per iteration
-        total = self._sum_over_ranks(
-            {
-                "policy_tokens": passes * sum(float(row_lengths(c).sum()) for c in chunks),
-                "policy_tokens_padded": passes
-                * sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in chunks),
-            },
-            chunks[0]["completion_mask"].device,
+        padded = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in chunks)  # shapes: no transfer
+        local = {"policy_tokens_padded": passes * padded}
+        if self.args.cost_aware and plan is None:  # a subclass's own draw: count the kept tokens here
+            local["policy_tokens"] = passes * float(torch.stack([row_lengths(c).sum() for c in chunks]).sum())
+        vllm = self.args.cost_aware and self.use_vllm and self.vllm_importance_sampling_correction
+        device = chunks[0]["completion_mask"].device
+        if vllm:
+            self._log_vllm_ratio(chunks, local, device)
+        else:
+            for key, value in self._sum_over_ranks(local, device).items():
+                self._cost_aware_totals[key] += value
+
+    def _log_vllm_ratio(self, chunks, local, device):
+        """TRL's five vLLM metrics over the kept rows of all ranks (their latest values, appended by TRL from the
+        placeholder, are replaced), with the buffer's counters: one gather (several processes) and one host copy."""
+        stats = torch.stack([self._vllm_ratio_stats(c) for c in chunks]).double()  # (micro-batches, 7)
+        reduced = torch.stack(
+            [
+                stats[:, 0].sum(),
+                stats[:, 1].sum(),
+                stats[:, 2].max(),
+                stats[:, 3].min(),
+                stats[:, 4].sum(),
+                stats[:, 5].sum(),
+                stats[:, 6].max(),
+            ]
         )
-        for key, value in total.items():
+        counters = torch.tensor(list(local.values()), dtype=torch.float64, device=reduced.device)
+        per_rank = torch.cat([reduced, counters]).unsqueeze(0)
+        if self.accelerator.num_processes > 1:
+            per_rank = self.accelerator.gather(per_rank.to(device))
+        r = per_rank.cpu()
+        sums = r.sum(0).tolist()
+        d_sum, d_n, r_sum, r_n = sums[0], sums[1], sums[4], sums[5]
+        d_max, r_min, r_max = float(r[:, 2].max()), float(r[:, 3].min()), float(r[:, 6].max())
+        values = (d_sum / d_n if d_n else 0.0, d_max if d_n else 0.0) + (
+            (r_min, r_sum / r_n, r_max) if r_n else (0.0, 0.0, 0.0)
+        )
+        metrics = self._metrics["train"]
+        for key, value in zip(VLLM_METRICS, values, strict=True):
+            if metrics[key]:
+                metrics[key][-1] = value
+            else:
+                metrics[key].append(value)
+        for key, value in zip(local, sums[7:], strict=True):
             self._cost_aware_totals[key] += value
 
     def _compute_loss(self, model, inputs):
-        scale = inputs.get("cost_aware_kl_scale")
-        if scale is None or self.beta == 0.0:
+        scale = self._buffer_kl_scale
+        if scale is None or self.beta == 0.0 or not self.model.training:
             return super()._compute_loss(model, inputs)
+        # The KL term is not importance-weighted (only the advantage carries the weight), so under a full-batch token
+        # normaliser it would shrink with the kept tokens: β · T_full / T_kept restores the full batch's size.
         beta = self.beta
-        self.beta = beta * float(scale)
+        self.beta = beta * scale
         try:
             return super()._compute_loss(model, inputs)
         finally:
@@ -431,15 +492,21 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     def _clip_grad_norm(self, model):
         """Records, per optimizer step, whether `max_grad_norm` clipped the gradient (`cost_aware/grad_clipped`, its
-        window mean is the fraction of clipped steps), in both arms: the reweighted gradient is noisier than GRPO's."""
+        window mean is the fraction of clipped steps), in both arms. The flag stays on the device until `log`."""
         norm = super()._clip_grad_norm(model)
         if norm is not None:
-            clipped = float(torch.as_tensor(norm).float() > self.args.max_grad_norm)
+            clipped = (torch.as_tensor(norm).detach().float() > self.args.max_grad_norm).float()
             self._metrics["train"]["cost_aware/grad_clipped"].append(clipped)
         return norm
 
     # ------------------------------------------------------------------ logging and checkpoints
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        flags = self._metrics["train"].get("cost_aware/grad_clipped")
+        if flags and isinstance(flags[0], torch.Tensor):  # one device→host copy per logging step
+            device = flags[0].device
+            self._metrics["train"]["cost_aware/grad_clipped"] = (
+                torch.stack([f.to(device).reshape(()) for f in flags]).cpu().tolist()
+            )
         # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
         # eval curves can be drawn against policy tokens too.
         logs.update({f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items()})

@@ -1,0 +1,301 @@
+"""The sampler's decision for one generation batch (`trl_costaware.plan.plan_batch`), tested alone: no trainer."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trl import GRPOTrainer
+
+from trl_costaware import plan as plan_module
+from trl_costaware.batching import KNOWN_KEYS, check_keys, select_rows, trim_to_longest
+from trl_costaware.budget import smallest_budget, variance_inflation
+from trl_costaware.plan import LOSS_NORMALISERS, PlanSettings, RowStats, check_loss_type, plan_batch
+from trl_costaware.sampling import eligible_rows, sampling_distribution, stream_seed
+
+
+def make_rows(advantages, loss_tokens=None, costs=None, prompt=4.0) -> RowStats:
+    a = torch.as_tensor(advantages, dtype=torch.float32)
+    n = len(a)
+    t = torch.full((n,), 8.0) if loss_tokens is None else torch.as_tensor(loss_tokens, dtype=torch.float32)
+    c = t + prompt if costs is None else torch.as_tensor(costs, dtype=torch.float32)
+    completion = t.clamp(min=1.0)
+    return RowStats(
+        advantages=a,
+        costs=c,
+        loss_tokens=t,
+        proxy_factors=torch.ones(n),
+        rollout_lengths=completion + prompt,
+        generated_tokens=completion,
+        prompt_tokens=torch.full((n,), prompt),
+        completion_tokens=t,
+    )
+
+
+class OtherRank:
+    """A two-rank collective seen from rank 0: the other rank's contributions are given."""
+
+    rank, size = 0, 2
+
+    def __init__(self, ints, weights=None, sums=None):
+        self.ints, self.weights, self.sums = ints, weights, sums or {}
+
+    def max_ints(self, values):
+        return [max(a, b) for a, b in zip(values, self.ints, strict=True)]
+
+    def cat(self, x):
+        other = self.weights if self.weights is not None else torch.stack([torch.ones(len(x)), torch.zeros(len(x))], 1)
+        return torch.cat([x, other.to(x.dtype)])
+
+    def sum(self, values):
+        return {k: float(v) + float(self.sums.get(k, v)) for k, v in values.items()}
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+# ---------------------------------------------------------------- item 2: one table of loss types
+def test_the_table_covers_exactly_trls_loss_types():
+    """Every loss type TRL's `_compute_loss` branches on has a normaliser here, and nothing else: a loss type TRL
+    adds shows up as a failure, not as a silently wrong factor."""
+    source = inspect.getsource(GRPOTrainer._compute_loss)
+    trl_types = set()
+    for match in re.finditer(r"self\.loss_type (?:==|in) (\[[^\]]*\]|\"[a-z_]+\")", source):
+        trl_types |= set(re.findall(r"\"([a-z_]+)\"", match.group(1)))
+    assert trl_types == set(LOSS_NORMALISERS)
+
+
+@pytest.mark.parametrize("name", ["dapo2", "token_sum", ""])
+def test_unknown_loss_type_is_refused_naming_the_field(name):
+    with pytest.raises(ValueError, match="loss_type") as err:
+        check_loss_type(name)
+    assert "grpo" in str(err.value) and "bnpo" in str(err.value)
+    with pytest.raises(ValueError, match="loss_type"):
+        PlanSettings(loss_type=name)
+
+
+def test_proxy_and_plan_read_the_same_table():
+    from trl_costaware import proxy
+
+    assert set(proxy.LOSS_TYPES) == set(LOSS_NORMALISERS)
+    assert set(proxy.ROW_MEAN_LOSSES) == {k for k, z in LOSS_NORMALISERS.items() if z.row_length}
+
+
+@pytest.mark.parametrize("loss_type", list(LOSS_NORMALISERS))
+def test_factor_follows_the_normaliser(loss_type):
+    rows = make_rows([1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 1.5, -1.5])
+    plan = plan_batch(rows, PlanSettings(loss_type=loss_type, kept_fraction=0.5), gen())
+    weights = plan.draw.weights
+    scale = 1.0 if LOSS_NORMALISERS[loss_type].rows else 8 / 4
+    torch.testing.assert_close(plan.factors, weights * scale)
+    assert (plan.kl_scale is not None) == (loss_type in ("dapo", "cispo", "vespo"))
+    assert (plan.micro_tokens_full is not None) == (loss_type == "bnpo")
+
+
+# ---------------------------------------------------------------- item 1: auto sees only rows that carry gradient
+def _auto_rows(truncated: bool):
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(16, generator=g)
+    adv[::4] = 0.0  # a few zero-advantage rows, as in GRPO groups
+    tokens = torch.randint(4, 16, (16,), generator=g).float()
+    if truncated:
+        tokens[1] = 0.0  # mask_truncated_completions hid row 1 (|A| > 0, no loss token)
+    return make_rows(adv, tokens)
+
+
+def test_auto_with_a_truncated_row_still_drops_rows():
+    """A truncated row (A ≠ 0, no loss token, never drawn) made every m look infinitely noisy: m = all eligible rows
+    and inflation inf. Its gradient is 0: the budget must ignore it."""
+    s = PlanSettings(kept_fraction="auto", budget_delta=1.0, smoothing=0.1)
+    clean = plan_batch(_auto_rows(False), s, gen())
+    masked = plan_batch(_auto_rows(True), s, gen())
+    eligible = int(masked.eligible.sum())
+    assert clean.m < int(clean.eligible.sum())
+    assert masked.m < eligible, (masked.m, eligible)
+    assert math.isfinite(masked.metrics["budget_inflation"]) and masked.metrics["budget_inflation"] <= 1.0
+    assert abs(masked.m - clean.m) <= 2  # one row fewer to cover: about the same budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.floats(-3, 3), min_size=4, max_size=24),
+    st.lists(st.integers(0, 20), min_size=24, max_size=24),
+    st.floats(0.0, 1.0),
+    st.floats(0.05, 4.0),
+)
+def test_auto_inflation_is_finite_and_within_delta(adv, tokens, alpha, delta):
+    n = len(adv)
+    rows = make_rows(adv, [float(t) for t in tokens[:n]])
+    plan = plan_batch(rows, PlanSettings(kept_fraction="auto", budget_delta=delta, smoothing=alpha), gen())
+    inflation = plan.metrics["budget_inflation"]
+    assert math.isfinite(inflation)
+    if plan.m < int(plan.eligible.sum()):  # not capped: the rule's own m, within δ
+        assert inflation <= delta + 1e-9
+
+
+def test_auto_keeps_the_largest_count_over_ranks_and_sums_the_inflation():
+    rows = _auto_rows(False)
+    s = PlanSettings(kept_fraction="auto", budget_delta=1.0)
+    alone = plan_batch(rows, s, gen())
+    k = int(alone.eligible.sum())
+    assert 1 < alone.m < k
+    assert plan_batch(rows, s, gen(), OtherRank([alone.m - 1, k])).m == alone.m
+    assert plan_batch(rows, s, gen(), OtherRank([k, k])).m == k
+    two = plan_batch(rows, s, gen(), OtherRank([alone.m, k], sums={"inflation_num": 3.0, "inflation_den": 5.0}))
+    g = rows.advantages.abs() * two.eligible
+    from trl_costaware.budget import inflation_terms
+
+    num, den = inflation_terms(g, two.p, two.m)
+    assert two.metrics["budget_inflation"] == pytest.approx((num + 3.0) / (den + 5.0))
+
+
+def test_auto_m_is_smallest_budget_on_the_eligible_rows():
+    rows = _auto_rows(True)
+    s = PlanSettings(kept_fraction="auto", budget_delta=0.5, smoothing=0.2)
+    plan = plan_batch(rows, s, gen())
+    eligible = eligible_rows(rows.advantages, rows.loss_tokens, False)
+    p = sampling_distribution(rows.advantages.abs() / rows.costs.sqrt(), 0.2, support=eligible)
+    torch.testing.assert_close(plan.p, p)
+    g = rows.advantages.abs() * eligible
+    assert plan.m == smallest_budget(g, p, 0.5)[0]
+    assert plan.metrics["budget_inflation"] == pytest.approx(variance_inflation(g, p, plan.m))
+
+
+def test_token_budget_keeps_the_smallest_count_over_ranks():
+    rows = make_rows([1.0, -1.0] * 8)
+    s = PlanSettings(token_budget=60.0, zero_advantage_carries_gradient=True)
+    alone = plan_batch(rows, s, gen())
+    assert plan_batch(rows, s, gen(), OtherRank([-(alone.m - 1), 16])).m == alone.m - 1
+
+
+# ---------------------------------------------------------------- item 5: filler rows
+def _filler_case(method="none", cap=None):
+    """This rank: 3 eligible rows of 8; the other rank: 8 eligible, so m = 0.75·8 = 6 here too (3 fillers)."""
+    rows = make_rows([1.0, -2.0, 0.5, 0, 0, 0, 0, 0])
+    s = PlanSettings(kept_fraction=0.75, smoothing=0.1, weight_normalization=method, weight_cap=cap)
+    other = torch.stack([torch.ones(6), torch.zeros(6)], 1)  # the other rank's 6 weights of 1, no fillers
+    return plan_batch(rows, s, gen(), OtherRank([-6, 8], weights=other, sums={"fillers": 0.0}))
+
+
+def test_filler_rows_get_factor_zero_and_stay_out_of_the_metrics():
+    plan = _filler_case()
+    assert plan.m == 6 and int(plan.filler.sum()) == 3
+    assert (plan.factors[plan.filler] == 0).all()
+    informative = plan.factors[~plan.filler]
+    assert (informative > 0).all()
+    assert plan.metrics["filler_row_fraction"] == pytest.approx(3 / 12)
+    real = torch.cat([plan.draw.weights[~plan.filler], torch.ones(6, dtype=torch.float64)])
+    assert plan.metrics["weight_max"] == pytest.approx(float(real.max()))
+    assert plan.metrics["weight_ess"] == pytest.approx(float(real.sum() ** 2 / (real**2).sum()))
+
+
+def test_self_normalize_ignores_filler_weights():
+    """The informative rows' normalised weights are w / mean(non-filler w): filler weights (m/(Nπ) with π spread
+    over cheap zero-signal rows, unbounded) do not rescale them."""
+    plan = _filler_case("self_normalize")
+    w = plan.draw.weights[~plan.filler]
+    real_mean = torch.cat([w, torch.ones(6, dtype=torch.float64)]).mean()
+    torch.testing.assert_close(plan.factors[~plan.filler], w / real_mean)
+    assert plan.metrics["weight_mean"] == pytest.approx(1.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.floats(-3, 3), min_size=2, max_size=24),
+    st.floats(0.01, 1.0),
+    st.floats(0.1, 1.0),
+    st.sampled_from(["systematic", "multinomial"]),
+    st.integers(0, 2**31),
+)
+def test_weights_of_rows_that_carry_gradient_are_bounded_by_one_over_alpha(adv, alpha, fraction, draw, seed):
+    """p ≥ α/|S| on the support, so w ≤ |S|/(α N) ≤ 1/α for every kept row that can carry gradient (the help text's
+    bound); fillers are outside it and get 0."""
+    rows = make_rows(adv)
+    plan = plan_batch(rows, PlanSettings(kept_fraction=fraction, smoothing=alpha, draw=draw), gen(seed))
+    k, n = int(plan.eligible.sum()), len(adv)
+    real = plan.draw.weights[~plan.filler]
+    if k:
+        assert float(real.max()) <= k / (alpha * n) + 1e-9
+    assert (plan.factors[plan.filler] == 0).all()
+    assert plan.metrics["weight_ess"] <= int((~plan.filler).sum()) + 1e-9
+
+
+# ---------------------------------------------------------------- the plan is a pure function
+def test_plan_is_deterministic_given_the_generator():
+    rows = make_rows([1.0, -1.0, 2.0, -0.5, 0.0, 3.0, -2.0, 0.25])
+    a = plan_batch(rows, PlanSettings(), gen(7))
+    b = plan_batch(rows, PlanSettings(), gen(7))
+    assert torch.equal(a.indices, b.indices) and torch.equal(a.factors, b.factors) and a.metrics == b.metrics
+
+
+def test_plan_calls_its_math_through_module_globals(monkeypatch):
+    """tests/test_unbiased.py records the draw by patching `plan.draw_rows`."""
+    seen = []
+    original = plan_module.draw_rows
+
+    def recorded(p, m, scheme, *args, **kwargs):
+        out = original(p, m, scheme, *args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(plan_module, "draw_rows", recorded)
+    plan = plan_batch(make_rows([1.0, -1.0, 2.0, -2.0]), PlanSettings(), gen())
+    assert seen and seen[0] is plan.draw
+
+
+def test_zero_signal_batch_plans_and_logs():
+    plan = plan_batch(make_rows([0.0] * 8), PlanSettings(), gen())
+    assert plan.m >= 1 and (plan.factors == 0).all()
+    assert plan.metrics["informative_fraction"] == 0.0 and plan.metrics["zero_signal_ranks"] == 1.0
+    assert plan.metrics["filler_row_fraction"] == 1.0
+
+
+# ---------------------------------------------------------------- item 7: explicit batch keys
+def test_unknown_batch_key_is_refused():
+    batch = {
+        "prompt_ids": torch.ones(4, 3, dtype=torch.long),
+        "prompt_mask": torch.ones(4, 3, dtype=torch.long),
+        "completion_ids": torch.ones(4, 5, dtype=torch.long),
+        "completion_mask": torch.ones(4, 5, dtype=torch.long),
+        "advantages": torch.ones(4),
+        "num_items_in_batch": torch.tensor(20),
+    }
+    check_keys(batch)
+    assert select_rows(batch, torch.tensor([0, 2]))["advantages"].shape == (2,)
+    batch["per_row_reward_vector"] = torch.ones(4, 5)  # a per-row entry that shape alone would take as per-token
+    for fn in (lambda b: select_rows(b, torch.tensor([0])), trim_to_longest, check_keys):
+        with pytest.raises(ValueError, match="per_row_reward_vector"):
+            fn(batch)
+    assert "num_items_in_batch" in KNOWN_KEYS
+
+
+def test_trim_with_host_widths_equals_trim_from_masks():
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 0, 0, 0, 0]])
+    pmask = torch.tensor([[0, 1, 1], [0, 0, 1]])
+    batch = {
+        "prompt_ids": pmask.clone(),
+        "prompt_mask": pmask,
+        "completion_ids": mask.clone(),
+        "completion_mask": mask,
+        "old_per_token_logps": torch.randn(2, 5),
+        "advantages": torch.ones(2),
+    }
+    a = trim_to_longest(batch)
+    b = trim_to_longest(batch, widths=(2, 3))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["completion_ids"].shape == (2, 3) and a["prompt_ids"].shape == (2, 2)
+
+
+# ---------------------------------------------------------------- item 9: independent random streams
+def test_streams_of_ranks_and_names_never_collide():
+    """The old offsets (seed·1_000_003 + rank, + 7 for grouping) made rank r's grouping stream rank r+7's sampler."""
+    seeds = {stream_seed(s, r, name) for s in (0, 1, 42) for r in range(16) for name in ("sampler", "grouping")}
+    assert len(seeds) == 3 * 16 * 2
+    assert stream_seed(0, 0, "grouping") != stream_seed(0, 7, "sampler")
+    assert stream_seed(-5, 0, "sampler") >= 0 and stream_seed(2**70, 3, "sampler") < 2**63

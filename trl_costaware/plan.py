@@ -1,0 +1,320 @@
+"""The sampler's decision for one generation batch: one function of the rows' host statistics and the config.
+
+`plan_batch(rows, settings, generator, collective) -> Plan` runs, in this order (docs/algorithm.md §2):
+
+1. eligibility: the rows that can carry gradient, S (`sampling.eligible_rows`);
+2. the sampling distribution p over S (`sampling.sampling_scores`, `sampling.sampling_distribution`);
+3. m, equal on every rank: a fixed fraction (`sampling.kept_row_count`), a token budget
+   (`sampling.kept_rows_for_token_budget`, smallest over ranks) or "auto" (`budget.smallest_budget` on the proxy
+   G_i = |A_i| h_i · 1[i ∈ S], largest over ranks), then capped at what the busiest rank's eligible rows need
+   (`sampling.capped_kept_count`);
+4. the draw (`sampling.draw_rows`); when this rank has fewer eligible rows than m, the remaining slots go to the
+   cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
+5. the weights: the draw's unbiasing weights of the kept non-filler rows of all ranks, normalised together
+   (`sampling.normalize_weights`); filler rows get weight 0 and stay out of the mean, the floor/cap and the weight
+   metrics;
+6. the per-row factor that multiplies each kept row's advantage: the weight times the loss type's correction from
+   `LOSS_NORMALISERS`;
+7. the metrics of the draw (`diagnostics`), summed over ranks.
+
+Everything is on the host. The only cross-rank traffic goes through `collective` (three calls, none with one
+process). The function reads nothing but its arguments and draws only from `generator`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Protocol
+
+import torch
+
+from .budget import AUTO, inflation_terms, smallest_budget
+from .diagnostics import batch_metrics, rank_sums
+from .sampling import (
+    Draw,
+    capped_kept_count,
+    draw_rows,
+    eligible_rows,
+    gradient_proxy,
+    kept_row_count,
+    kept_rows_for_token_budget,
+    normalize_weights,
+    sampling_distribution,
+    sampling_scores,
+)
+
+
+# ---------------------------------------------------------------------------------------------------- loss types
+@dataclass(frozen=True)
+class Normaliser:
+    """How TRL 1.16's `GRPOTrainer._compute_loss` divides a loss type's masked per-token loss, and what that means for
+    a sample of m of the N rows (docs/algorithm.md, "weights and normaliser per loss type").
+
+    - `divisor`: TRL's normaliser, in words.
+    - `row_length`: the divisor of row i contains its own token count L_i (the proxy's h_i = L_i^(γ−1), else L_i^γ).
+    - `rows`: the loss is a mean over the micro-batch's rows, whose count shrinks with sampling by m/N: the factor is
+      the weight w_i. Otherwise the divisor is fixed by the full generation batch and the factor is w_i · N/m.
+    - `micro_tokens`: the divisor is the micro-batch's own token count, which sampling changes (bnpo): each kept
+      micro-batch's factors are also multiplied by its tokens over the full batch's mean micro-batch tokens.
+    - `batch_tokens`: the divisor is the full batch's token count (`num_items_in_batch`): the (unweighted) KL term
+      would shrink with the kept tokens, so β is rescaled by T_full / T_kept.
+    """
+
+    divisor: str
+    row_length: bool
+    rows: bool
+    micro_tokens: bool = False
+
+    @property
+    def batch_tokens(self) -> bool:
+        return not self.rows and not self.micro_tokens
+
+
+LOSS_NORMALISERS: dict[str, Normaliser] = {
+    "grpo": Normaliser("mean over rows of the row's token mean", row_length=True, rows=True),
+    "sapo": Normaliser("mean over rows of the row's token mean", row_length=True, rows=True),
+    "dr_grpo": Normaliser("micro-batch rows × max_completion_length", row_length=False, rows=True),
+    "luspo": Normaliser("mean over rows of the row's token sum", row_length=False, rows=True),
+    "dapo": Normaliser("the generation batch's tokens (num_items_in_batch)", row_length=False, rows=False),
+    "cispo": Normaliser("the generation batch's tokens (num_items_in_batch)", row_length=False, rows=False),
+    "vespo": Normaliser("the generation batch's tokens (num_items_in_batch)", row_length=False, rows=False),
+    "bnpo": Normaliser("the micro-batch's own tokens", row_length=False, rows=False, micro_tokens=True),
+}
+
+
+def check_loss_type(loss_type) -> Normaliser:
+    """The normaliser of `loss_type`; a ValueError naming the field and the allowed values for any other name (a loss
+    type TRL adds later must be derived and added to `LOSS_NORMALISERS` before cost-aware sampling can weight it)."""
+    if loss_type not in LOSS_NORMALISERS:
+        raise ValueError(
+            f"loss_type={loss_type!r} is not supported with cost_aware=True: the kept rows' weights depend on the "
+            f"loss type's normaliser, derived for {tuple(LOSS_NORMALISERS)}. Use one of them, or cost_aware=False."
+        )
+    return LOSS_NORMALISERS[loss_type]
+
+
+# ---------------------------------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class RowStats:
+    """Per-row statistics of this rank's generation batch, host tensors of shape (N,).
+
+    advantages A_i; costs c_i (the sampling cost); loss_tokens T_i (tokens the loss sees: completion × tool mask,
+    after `mask_truncated_completions`); proxy_factors h_i (ones unless the "loss_aware" proxy); rollout_lengths
+    (prompt + generated tokens, whatever the masks); generated_tokens; prompt_tokens and completion_tokens (the
+    attention masks' row sums: what a forward pass over the row costs)."""
+
+    advantages: torch.Tensor
+    costs: torch.Tensor
+    loss_tokens: torch.Tensor
+    proxy_factors: torch.Tensor
+    rollout_lengths: torch.Tensor
+    generated_tokens: torch.Tensor
+    prompt_tokens: torch.Tensor
+    completion_tokens: torch.Tensor
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return getattr(self, key)
+
+    def __len__(self) -> int:
+        return len(self.advantages)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """The configuration fields the plan reads (`from_args` takes them from a `CostAwareGRPOConfig`)."""
+
+    loss_type: str = "grpo"
+    kept_fraction: float | str = 0.5
+    token_budget: float | None = None
+    budget_delta: float = 1.0
+    proxy: str = "advantage"
+    smoothing: float = 0.1
+    draw: str = "systematic"
+    weight_normalization: str = "none"
+    weight_floor: float | None = None
+    weight_cap: float | None = None
+    steps_per_generation: int = 1
+    zero_advantage_carries_gradient: bool = False
+
+    def __post_init__(self):
+        check_loss_type(self.loss_type)
+
+    @classmethod
+    def from_args(cls, args, zero_advantage_carries_gradient: bool) -> PlanSettings:
+        return cls(
+            loss_type=args.loss_type,
+            kept_fraction=args.cost_aware_kept_fraction,
+            token_budget=args.cost_aware_token_budget,
+            budget_delta=args.cost_aware_budget_delta,
+            proxy=args.cost_aware_proxy,
+            smoothing=args.cost_aware_smoothing,
+            draw=args.cost_aware_draw,
+            weight_normalization=args.cost_aware_weight_normalization,
+            weight_floor=args.cost_aware_weight_floor,
+            weight_cap=args.cost_aware_weight_cap,
+            steps_per_generation=args.steps_per_generation,
+            zero_advantage_carries_gradient=zero_advantage_carries_gradient,
+        )
+
+
+class Collective(Protocol):
+    """The cross-rank operations the plan needs; every rank calls them in the same order with the same shapes."""
+
+    rank: int
+    size: int
+
+    def max_ints(self, values: list[int]) -> list[int]:
+        """Elementwise maximum over ranks."""
+
+    def cat(self, x: torch.Tensor) -> torch.Tensor:
+        """Host tensor of every rank's `x` concatenated along dim 0, in rank order."""
+
+    def sum(self, values: dict[str, float]) -> dict[str, float]:
+        """Sums over ranks of named scalars."""
+
+
+class SingleProcess:
+    """The collective of one process: identities, no device round trip."""
+
+    rank, size = 0, 1
+
+    def max_ints(self, values):
+        return list(values)
+
+    def cat(self, x):
+        return x
+
+    def sum(self, values):
+        return {k: float(v) for k, v in values.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- output
+@dataclass
+class Plan:
+    """What the trainer applies to its generation batch.
+
+    `indices` (m,) the kept rows (repeats possible with a multinomial draw); `factors` (m,) float64, the multiplier of
+    each kept row's advantage; `filler` (m,) the kept slots outside the support (factor 0). `p` the sampling
+    distribution, `eligible` the support, `draw` the draw itself (its design in `draw.probabilities`).
+    `rule_m` this rank's own count from the configured rule (before the cross-rank reduction and the cap);
+    `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0). `kl_scale` the β multiplier
+    of a batch-token loss (None otherwise); `micro_tokens_full` the full batch's mean micro-batch loss tokens of a
+    micro-token loss (bnpo; None otherwise). `totals` the counters summed over ranks; `metrics` the logged values
+    (without the "cost_aware/" prefix)."""
+
+    indices: torch.Tensor
+    factors: torch.Tensor
+    filler: torch.Tensor
+    m: int
+    rule_m: int
+    p: torch.Tensor
+    eligible: torch.Tensor
+    draw: Draw
+    global_weights: torch.Tensor
+    kl_scale: float | None
+    micro_tokens_full: float | None
+    totals: dict[str, float]
+    metrics: dict[str, float]
+
+
+def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, g, collective: Collective) -> tuple[int, int]:
+    """(m, this rank's rule count). The rule's count is reduced over ranks (largest for "auto", so every rank and the
+    step stay within δ; smallest otherwise) together with the eligible rows of the busiest rank, in one call."""
+    n, spg = len(rows), s.steps_per_generation
+    auto = s.kept_fraction == AUTO
+    if auto:
+        m_local = smallest_budget(g, p, s.budget_delta, spg, s.draw)[0]
+    elif s.token_budget is not None:
+        m_local = kept_rows_for_token_budget(p, rows.costs, s.token_budget, n)
+    else:
+        m_local = kept_row_count(n, s.kept_fraction, spg)
+    sign = 1 if auto else -1
+    signed_m, k_max = collective.max_ints([sign * m_local, int(eligible.sum())])
+    m = capped_kept_count(kept_row_count(n, sign * signed_m / n, spg), k_max, spg)
+    return m, m_local
+
+
+def plan_batch(
+    rows: RowStats,
+    settings: PlanSettings,
+    generator: torch.Generator | None = None,
+    collective: Collective | None = None,
+) -> Plan:
+    """The plan of one generation batch (module docstring). Every rank must call it with the same `settings`."""
+    s, collective = settings, collective or SingleProcess()
+    normaliser = check_loss_type(s.loss_type)
+    n = len(rows)
+    advantages, costs, loss_tokens = rows.advantages, rows.costs, rows.loss_tokens
+
+    eligible = eligible_rows(advantages, loss_tokens, s.zero_advantage_carries_gradient)
+    scores = sampling_scores(advantages, costs, s.proxy, rows.proxy_factors)
+    p = sampling_distribution(scores, s.smoothing, support=eligible)
+    # The budget's proxy: only the rows that can carry gradient have G > 0 (a row hidden by the truncation mask has
+    # |A| > 0 but no loss token; counting it would make every m look infinitely noisy).
+    g = gradient_proxy(advantages, rows.proxy_factors) * eligible
+    m, rule_m = _kept_count(rows, s, p, eligible, g, collective)
+
+    filler_score = (loss_tokens > 0).double() / costs.double().clamp(min=1.0)
+    draw = draw_rows(p, m, s.draw, generator, filler=filler_score)
+    filler = ~eligible[draw.indices]
+
+    # Normalise over the kept non-filler slots of all ranks (every rank has m slots, so the concatenation is even).
+    both = collective.cat(torch.stack([draw.weights.double(), filler.double()], dim=1))
+    all_weights, all_filler = both[:, 0], both[:, 1] > 0
+    normalised, stats = normalize_weights(
+        all_weights[~all_filler], s.weight_normalization, s.weight_floor, s.weight_cap
+    )
+    global_weights = torch.zeros_like(all_weights)
+    global_weights[~all_filler] = normalised
+    factors = global_weights[collective.rank * m : (collective.rank + 1) * m].clone()
+    if not normaliser.rows:
+        factors = factors * (n / m)
+
+    full_tokens = float(loss_tokens.sum())
+    kept_tokens = float(loss_tokens[draw.indices].sum())
+    kl_scale = full_tokens / max(kept_tokens, 1.0) if normaliser.batch_tokens else None
+    micro_tokens_full = full_tokens / s.steps_per_generation if normaliser.micro_tokens else None
+
+    local = rank_sums(
+        advantages,
+        costs,
+        eligible,
+        p,
+        draw.indices,
+        rows.rollout_lengths,
+        rows.generated_tokens,
+        loss_tokens,
+        m,
+    )
+    local["fillers"] = float(filler.sum())
+    local["policy_tokens"] = float((rows.prompt_tokens + rows.completion_tokens)[draw.indices].sum())
+    if s.kept_fraction == AUTO:  # the step's predicted inflation: Σ_ranks numerator / Σ_ranks denominator
+        local["inflation_num"], local["inflation_den"] = inflation_terms(g, p, m, s.draw)
+    total = collective.sum(local)
+
+    metrics = batch_metrics(total)
+    metrics["filler_row_fraction"] = total["fillers"] / total["draws"]
+    if s.kept_fraction == AUTO:
+        den = total["inflation_den"]
+        metrics["budget_inflation"] = total["inflation_num"] / den if den > 0 else 0.0
+    metrics.update(stats.as_dict(prefix="weight_"))
+    totals = {k: total[k] for k in ("rows", "kept", "rollout_tokens", "generated_tokens", "policy_tokens")}
+    return Plan(
+        indices=draw.indices,
+        factors=factors,
+        filler=filler,
+        m=m,
+        rule_m=rule_m,
+        p=p,
+        eligible=eligible,
+        draw=draw,
+        global_weights=global_weights,
+        kl_scale=kl_scale,
+        micro_tokens_full=micro_tokens_full,
+        totals=totals,
+        metrics=metrics,
+    )
