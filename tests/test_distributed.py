@@ -336,11 +336,22 @@ def _check_global_weights(records):
     assert r0["kept"] == r1["kept"]  # equal rows per rank
     for step, weights in enumerate(r0["global_weights"]):
         m = r0["kept"][step]
+        filler = r0["global_filler"][step]
         assert len(weights) == 2 * m
-        assert sum(weights) / len(weights) == pytest.approx(1.0)  # self_normalize over ALL ranks
+        real = [w for w, f in zip(weights, filler, strict=True) if not f]
+        assert sum(real) / len(real) == pytest.approx(1.0)  # self_normalize over ALL ranks' non-filler rows
         ratios = []
         for rank, rec in enumerate(records):
-            ratios += [f / w for f, w in zip(rec["factors"][step], weights[rank * m : (rank + 1) * m], strict=True)]
+            own = list(
+                zip(
+                    rec["factors"][step],
+                    weights[rank * m : (rank + 1) * m],
+                    filler[rank * m : (rank + 1) * m],
+                    strict=True,
+                )
+            )
+            ratios += [f / w for f, w, is_filler in own if not is_filler]
+            assert all(f == 0 for f, _, is_filler in own if is_filler)
         # one loss-type factor (N/m for token-sum losses, 1 otherwise) shared by every row of every rank
         assert ratios == pytest.approx([ratios[0]] * len(ratios))
 
@@ -513,12 +524,12 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
     _check_global_weights(records)  # one global weight vector, each rank its slice
     r0, r1 = records
     m = r0["kept"][0]
-    for weights in r0["global_weights"]:
-        # rank 1 drew uniformly (no signal): one constant weight; rank 0 drew by |A|/sqrt(c): varied weights.
-        assert len(set(weights[m:])) == 1
+    for weights, filler in zip(r0["global_weights"], r0["global_filler"], strict=True):
+        # rank 1 has no signal: every slot of it is a filler (weight 0, out of the normalisation); rank 0 drew by
+        # |A|/sqrt(c): varied weights, whose mean is the global mean over the rows that carry gradient (all here)
+        assert all(filler[m:]) and set(weights[m:]) == {0.0}
         assert len(set(weights[:m])) > 1
-        # the normalisation is global: the mean is 1 over both ranks, not on each rank separately
-        assert abs(sum(weights[:m]) / m - 1.0) > 1e-3
+        assert sum(weights[:m]) / m == pytest.approx(1.0)
 
     logs0, logs1 = cost_aware_logs(r0), cost_aware_logs(r1)
     assert logs0 == logs1 and len(logs0) == 2  # both ranks ran (and logged) every step

@@ -611,3 +611,15 @@ def test_top_entropy_quantile_is_refused(tmp_path):
     with pytest.raises(ValueError, match="top_entropy_quantile"):
         make_args(tmp_path, top_entropy_quantile=0.2)
     make_args(tmp_path, top_entropy_quantile=0.2, cost_aware=False)  # plain GRPO keeps TRL's option
+
+
+def test_unknown_loss_type_is_refused_at_construction(tmp_path, model_path, dataset, monkeypatch):
+    """A loss type without a derived normaliser (e.g. one a later TRL adds) is refused before the model loads, naming
+    the field and the allowed values; it used to get the row-mean factor silently (off by N/m for a token sum)."""
+    args = make_args(tmp_path)
+    monkeypatch.setattr(args, "loss_type", "token_sum_v2")  # as a newer TRL's config would accept
+    with pytest.raises(ValueError, match="loss_type='token_sum_v2'.*'grpo'"):
+        CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    args.cost_aware = False  # plain GRPO is TRL's business
+    with pytest.raises(ValueError, match="Unknown loss type|token_sum_v2"):
+        CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset).train()

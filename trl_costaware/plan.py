@@ -201,7 +201,8 @@ class Plan:
     each kept row's advantage; `filler` (m,) the kept slots outside the support (factor 0). `p` the sampling
     distribution, `eligible` the support, `draw` the draw itself (its design in `draw.probabilities`).
     `rule_m` this rank's own count from the configured rule (before the cross-rank reduction and the cap);
-    `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0). `kl_scale` the β multiplier
+    `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0), `global_filler` their
+    filler flags. `kl_scale` the β multiplier
     of a batch-token loss (None otherwise); `micro_tokens_full` the full batch's mean micro-batch loss tokens of a
     micro-token loss (bnpo; None otherwise). `totals` the counters summed over ranks; `metrics` the logged values
     (without the "cost_aware/" prefix)."""
@@ -215,6 +216,7 @@ class Plan:
     eligible: torch.Tensor
     draw: Draw
     global_weights: torch.Tensor
+    global_filler: torch.Tensor
     kl_scale: float | None
     micro_tokens_full: float | None
     totals: dict[str, float]
@@ -313,6 +315,7 @@ def plan_batch(
         eligible=eligible,
         draw=draw,
         global_weights=global_weights,
+        global_filler=all_filler,
         kl_scale=kl_scale,
         micro_tokens_full=micro_tokens_full,
         totals=totals,

@@ -151,16 +151,25 @@ def main(argv=None) -> int:
         peft_config=peft_config,
     )
 
-    # Record what the sampler normalised (the weights of all ranks) and what this rank applied.
-    record = {"global_weights": [], "factors": [], "kept": [], "budget_rows": [], "eligible_rows": []}
-    original_normalize = trainer_module.normalize_weights
-    original_budget = trainer_module.kept_rows_for_token_budget
+    # Record what the sampler normalised (the weights of all ranks' slots, fillers 0) and what this rank applied.
+    record = {
+        "global_weights": [],
+        "global_filler": [],
+        "factors": [],
+        "kept": [],
+        "budget_rows": [],
+        "eligible_rows": [],
+    }
+    original_plan = trainer_module.plan_batch
     original_draw = trainer._draw_kept_rows
 
-    def normalize_and_record(weights, *a, **kw):
-        out, stats = original_normalize(weights, *a, **kw)
-        record["global_weights"].append(out.tolist())
-        return out, stats
+    def plan_and_record(rows, settings, *a, **kw):
+        plan = original_plan(rows, settings, *a, **kw)
+        record["global_weights"].append(plan.global_weights.tolist())
+        record["global_filler"].append(plan.global_filler.tolist())
+        record["budget_rows"].append(plan.rule_m)  # this rank's own count, before the reduction over ranks
+        record["eligible_rows"].append(int(plan.eligible.sum()))  # this rank's rows that can carry gradient
+        return plan
 
     def draw_and_record(batch):
         indices, factors = original_draw(batch)
@@ -168,21 +177,7 @@ def main(argv=None) -> int:
         record["kept"].append(len(indices))
         return indices, factors
 
-    def budget_and_record(*a, **kw):
-        m_local = original_budget(*a, **kw)
-        record["budget_rows"].append(m_local)  # this rank's own count, before the min over ranks
-        return m_local
-
-    original_eligible = trainer_module.eligible_rows
-
-    def eligible_and_record(*a, **kw):
-        eligible = original_eligible(*a, **kw)
-        record["eligible_rows"].append(int(eligible.sum()))  # this rank's rows that can carry gradient
-        return eligible
-
-    trainer_module.eligible_rows = eligible_and_record
-    trainer_module.normalize_weights = normalize_and_record
-    trainer_module.kept_rows_for_token_budget = budget_and_record
+    trainer_module.plan_batch = plan_and_record  # the trainer calls plan_batch through its module global
     trainer._draw_kept_rows = draw_and_record
 
     trainer.train()
