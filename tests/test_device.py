@@ -185,3 +185,35 @@ def test_micro_and_optimizer_steps_make_no_transfer(tmp_path, tiny_model_path, d
         trainer.log({})
     assert mode.transfers == 1  # the three flags, in one copy
     assert logged["cost_aware/grad_clipped"] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.slow
+def test_vllm_ratio_on_kept_micro_batches_costs_one_transfer(tmp_path, tiny_model_path, dataset, monkeypatch):
+    """Under vLLM's importance-sampling correction the ratio is formed per kept micro-batch on the device; its five
+    logged metrics (TRL's, over the kept rows) are read back in one copy per generation batch. The forward is
+    stubbed (a model on the emulated device is out of scope); TRL's flags are set as `use_vllm=True` sets them."""
+    args = make_args(tmp_path, max_steps=1, steps_per_generation=2, gradient_accumulation_steps=2)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    batch, _, _ = _post_process(trainer, dataset, monkeypatch, 8)
+    monkeypatch.setattr(trainer, "use_vllm", True, raising=False)
+    monkeypatch.setattr(trainer, "vllm_importance_sampling_correction", True, raising=False)
+    monkeypatch.setattr(trainer, "vllm_importance_sampling_mode", "token_truncate", raising=False)
+    monkeypatch.setattr(trainer, "vllm_importance_sampling_clip_min", None, raising=False)
+    monkeypatch.setattr(trainer, "vllm_importance_sampling_clip_max", 3.0, raising=False)
+
+    def forward(model, ids, mask, width, *a, **kw):
+        return torch.full((ids.size(0), width), -1.0, device=ids.device), None, None
+
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", forward)
+    mode = FakeAccelerator()
+    with mode:
+        batch["sampling_per_token_logps"] = torch.full_like(batch["completion_mask"], -1.5, dtype=torch.float32)
+        trainer._buffered_inputs = split_tensor_dict(batch, 2)
+        trainer._process_new_buffer()
+        chunks = trainer._buffered_inputs
+        misplaced = [k for c in chunks for k, v in c.items() if isinstance(v, torch.Tensor) and v.device != FAKE]
+    assert mode.transfers == 1, mode.transfers
+    assert not misplaced, misplaced
+    ratio = torch.exp(torch.tensor(0.5))  # exp(old − sampling) on every loss token
+    assert trainer._metrics["train"]["sampling/importance_sampling_ratio/mean"][-1] == pytest.approx(float(ratio))
+    assert trainer._metrics["train"]["sampling/sampling_logp_difference/max"][-1] == pytest.approx(0.5)
