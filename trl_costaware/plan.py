@@ -192,6 +192,26 @@ class SingleProcess:
         return {k: float(v) for k, v in values.items()}
 
 
+class AcceleratorCollective:
+    """`Collective` over the accelerator's processes (gathers on the batch's device, one host copy each)."""
+
+    def __init__(self, accelerator, device):
+        self.accelerator, self.device = accelerator, device
+        self.rank, self.size = accelerator.process_index, accelerator.num_processes
+
+    def max_ints(self, values):
+        local = torch.tensor([list(values)], device=self.device)
+        return self.accelerator.gather(local).amax(0).cpu().tolist()
+
+    def cat(self, x):
+        return self.accelerator.gather(x.float().to(self.device)).cpu().double()
+
+    def sum(self, values):
+        local = torch.tensor([list(values.values())], dtype=torch.float64, device=self.device)
+        total = self.accelerator.gather(local).double().sum(0).cpu().tolist()
+        return dict(zip(values, total, strict=True))
+
+
 # ---------------------------------------------------------------------------------------------------- output
 @dataclass
 class Plan:

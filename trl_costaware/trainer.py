@@ -25,7 +25,7 @@ from trl.trainer.utils import use_adapter
 
 from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
 from .config import CostAwareGRPOConfig, resolve_cost_fn
-from .plan import PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
+from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .proxy import DEFAULT_GAMMA, row_factor
 from .sampling import sequence_costs, stream_generator
 from .tracking import attach_tracking, validate_report_to
@@ -42,26 +42,6 @@ VLLM_METRICS = (
     "sampling/importance_sampling_ratio/mean",
     "sampling/importance_sampling_ratio/max",
 )
-
-
-class _AcceleratorCollective:
-    """`plan.Collective` over the accelerator's processes (gathers on the batch's device, one host copy each)."""
-
-    def __init__(self, accelerator, device):
-        self.accelerator, self.device = accelerator, device
-        self.rank, self.size = accelerator.process_index, accelerator.num_processes
-
-    def max_ints(self, values):
-        local = torch.tensor([list(values)], device=self.device)
-        return self.accelerator.gather(local).amax(0).cpu().tolist()
-
-    def cat(self, x):
-        return self.accelerator.gather(x.float().to(self.device)).cpu().double()
-
-    def sum(self, values):
-        local = torch.tensor([list(values.values())], dtype=torch.float64, device=self.device)
-        total = self.accelerator.gather(local).double().sum(0).cpu().tolist()
-        return dict(zip(values, total, strict=True))
 
 
 class CostAwareGRPOTrainer(GRPOTrainer):
@@ -330,7 +310,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     def _collective(self, device):
         if self.accelerator.num_processes == 1:
             return SingleProcess()
-        return _AcceleratorCollective(self.accelerator, device)
+        return AcceleratorCollective(self.accelerator, device)
 
     def _draw_kept_rows(self, batch):
         """The kept rows of this rank's generation batch and their advantage factors, both on the host: gathers the
