@@ -11,6 +11,12 @@ probability ≥ 90% when b ≥ (4 + 1.28)·SE, so K is chosen per case from the 
 SE ≤ 0.05/5.28 (a 5% bias) for the full matrix (`mc_full`, `make test-all`) and SE ≤ 0.10/5.28 (a 10% bias) in
 `make test`. Negative controls use the same draws and statistic and must fail: the target scaled by ±5% (full
 matrix), the dapo factor w instead of w·N/m, bnpo given grpo's factor, and every weight forced to 1.
+
+Coverage: one optimizer step by default; `steps_per_generation = 2 × gradient_accumulation_steps` summed over the
+whole generation batch (two optimizer steps); the second pass of `num_iterations=2` alone; β > 0 with a perturbed
+reference model, where the target is the policy term and the KL term is checked separately (it is not reweighted: on
+every draw it is TRL's KL term of the kept rows, at the full batch's scale through the β rescaling of batch-token
+losses, whose removal is a control).
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ from trl import GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware import trainer as trainer_module
+
+try:  # the sampler's decision lives in plan.py once the trainer delegates to it
+    from trl_costaware import plan as plan_module
+except ImportError:  # pragma: no cover - older layout
+    plan_module = None
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
@@ -53,13 +64,29 @@ def dataset():
     return arithmetic_dataset(64, seed=3)
 
 
-def make_trainer(model_path, dataset, tmp_path, *, loss_type="grpo", micro=1, reward="length", **overrides):
+def make_trainer(
+    model_path,
+    dataset,
+    tmp_path,
+    *,
+    loss_type="grpo",
+    micro=1,
+    reward="length",
+    spg=None,
+    perturbed_reference=0.0,
+    coverage="optimizer_step",
+    **overrides,
+):
+    """`micro` micro-batches per optimizer step (gradient_accumulation_steps), `spg` per generation batch (default
+    `micro`). `perturbed_reference` > 0 adds Gaussian noise of that relative size to the reference model's weights, so
+    the KL term has a gradient. `coverage` is what a draw's gradient is summed over (see `projections`)."""
+    spg = spg or micro
     kwargs = dict(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
         report_to="none",
-        per_device_train_batch_size=16 // micro,
-        steps_per_generation=micro,
+        per_device_train_batch_size=16 // spg,
+        steps_per_generation=spg,
         gradient_accumulation_steps=micro,
         num_generations=4,
         max_completion_length=16,
@@ -77,6 +104,14 @@ def make_trainer(model_path, dataset, tmp_path, *, loss_type="grpo", micro=1, re
         model_path, [REWARDS[reward]], args=CostAwareGRPOConfig(**kwargs), train_dataset=dataset
     )
     trainer.model.train()
+    if perturbed_reference:
+        assert trainer.ref_model is not None, "a perturbed reference needs beta > 0 (and no PEFT)"
+        noise = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for param in trainer.ref_model.parameters():
+                scale = perturbed_reference * float(param.std()) if param.numel() > 1 else 0.0
+                param.add_(torch.randn(param.shape, generator=noise).to(param) * scale)
+    trainer.cost_aware_test_coverage = coverage
     return trainer
 
 
@@ -91,6 +126,7 @@ class Case:
     full: dict
     target: torch.Tensor  # g, the full-batch gradient (or a scaled one, for a control)
     rows: torch.Tensor  # a_i = ⟨h_i, g⟩/‖g‖², h_i row i's share of the true full-batch gradient (Σ_i h_i = g_true)
+    kl_target: torch.Tensor | None = None  # the full batch's KL-term gradient, when the policy term is g (below)
 
 
 def _full_batch_grad(trainer, batch) -> torch.Tensor:
@@ -132,14 +168,25 @@ def fixed_case(trainer, dataset, monkeypatch, target_scale: float = 1.0) -> Case
                 trainer.ref_model, ids, mask, batch["completion_ids"].size(1)
             )[0]
     g_true = _full_batch_grad(trainer, batch)
+    # With a reference that differs from the policy the KL term has a gradient, g_kl (every advantage set to 0); the
+    # target is then the policy term g_true − g_kl, the part the weights make unbiased (the KL term is not reweighted).
+    perturbed = trainer.beta != 0.0 and any(
+        not torch.equal(a, b) for a, b in zip(trainer.model.parameters(), trainer.ref_model.parameters(), strict=True)
+    )
+    g_kl = _full_batch_grad(trainer, dict(batch, advantages=torch.zeros_like(batch["advantages"])))
+    if perturbed:
+        assert g_kl.norm() > 0.05 * g_true.norm(), (float(g_kl.norm()), float(g_true.norm()))
+    else:
+        assert g_kl.norm() <= 1e-6 * g_true.norm()
     shares = []
     for i in range(len(lengths)):
         one = dict(batch, advantages=batch["advantages"] * (torch.arange(len(lengths)) == i))
-        shares.append(_full_batch_grad(trainer, one))
+        shares.append(_full_batch_grad(trainer, one) - (g_kl if perturbed else 0.0))
     shares = torch.stack(shares)
-    torch.testing.assert_close(shares.sum(0), g_true, rtol=1e-4, atol=1e-7)
-    g = g_true * target_scale
-    return Case(trainer, raw, full, g, shares @ g / (g @ g))
+    g_policy = g_true - g_kl if perturbed else g_true
+    torch.testing.assert_close(shares.sum(0), g_policy, rtol=1e-4, atol=1e-7)
+    g = g_policy * target_scale
+    return Case(trainer, raw, full, g, shares @ g / (g @ g), g_kl if perturbed else None)
 
 
 def projections(case: Case, draws: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,34 +195,65 @@ def projections(case: Case, draws: int) -> tuple[torch.Tensor, torch.Tensor]:
     multinomial draws) from the design the sampler reported, whose mean Σ_i a_i is known exactly. A correct trainer
     makes t_k − c_k ≈ 0 draw by draw; a wrong factor or normaliser shifts it by the relative bias."""
     trainer, g = case.trainer, case.target
-    micro = trainer.args.gradient_accumulation_steps
+    first, steps, scale = _coverage(trainer)
     t = torch.empty(draws, dtype=torch.float64)
     c = torch.empty(draws, dtype=torch.float64)
     seen = []
-    original = trainer_module.draw_rows
+    owners = [m for m in (trainer_module, plan_module) if m is not None and hasattr(m, "draw_rows")]
+    originals = [owner.draw_rows for owner in owners]
 
     def recorded(p, m, scheme, *args, **kwargs):
-        out = original(p, m, scheme, *args, **kwargs)
+        out = originals[0](p, m, scheme, *args, **kwargs)
         seen.append((out, scheme))
         return out
 
-    trainer_module.draw_rows = recorded
+    for owner in owners:
+        owner.draw_rows = recorded
     try:
         for k in range(draws):
             trainer._buffered_inputs = None
             trainer._step = 0
             trainer.model.zero_grad()
-            for _ in range(micro):
+            for step in range(first + steps):
                 inputs = trainer._prepare_inputs(case.raw)
-                trainer._compute_loss(trainer.model, inputs).backward()
+                if step >= first:
+                    loss = trainer._compute_loss(trainer.model, inputs)
+                    if case.kl_target is not None:  # the policy term: the loss minus its KL part (advantages 0)
+                        kl_loss = trainer._compute_loss(
+                            trainer.model, dict(inputs, advantages=torch.zeros_like(inputs["advantages"]))
+                        )
+                        loss = loss - kl_loss
+                    loss.backward()
                 trainer._step += 1
-            t[k] = _flat_grad(trainer.model) @ g / (g @ g)
+            t[k] = _flat_grad(trainer.model) @ g / (g @ g) / scale
             draw, scheme = seen.pop()
+            assert not seen, "one draw per generation batch"
             a, probs, idx = case.rows, draw.probabilities.double(), draw.indices
             c[k] = (a[idx] / probs[idx]).sum() / (len(idx) if scheme == "multinomial" else 1.0)
     finally:
-        trainer_module.draw_rows = original
+        for owner, original in zip(owners, originals, strict=True):
+            owner.draw_rows = original
     return t, c
+
+
+def _coverage(trainer) -> tuple[int, int, float]:
+    """(micro-steps to skip, micro-steps to differentiate, scale) of a draw's gradient:
+
+    - "optimizer_step": the first optimizer step (gradient_accumulation_steps micro-steps);
+    - "generation": every micro-step of the generation batch (steps_per_generation of them, several optimizer steps
+      when steps_per_generation > gradient_accumulation_steps), divided by steps_per_generation / GA: TRL divides
+      each micro-batch's loss by GA, so the whole generation batch sums to that multiple of the full-batch loss;
+    - "second_iteration": the num_iterations=2 pass over the same buffer (micro-steps spg … 2·spg − 1), measured
+      alone (the parameters are not updated in between, so its target is the same)."""
+    args = trainer.args
+    spg, ga = args.steps_per_generation, args.gradient_accumulation_steps
+    coverage = getattr(trainer, "cost_aware_test_coverage", "optimizer_step")
+    if coverage == "generation":
+        return 0, spg, spg / ga
+    if coverage == "second_iteration":
+        assert trainer.num_iterations == 2 and spg == ga
+        return spg, spg, 1.0
+    return 0, ga, 1.0
 
 
 @dataclass
@@ -221,11 +299,26 @@ OPTIONS = {
     "token_budget": dict(cost_aware_token_budget=150),
     # kept rows re-cut into full micro-batches (B' = B/f, S' = f·S, G' = f·G): one micro-batch of 8 here
     "full_micro_batches": dict(cost_aware_full_micro_batches=True),
+    # steps_per_generation = 2 × GA: 4 micro-batches of 2 kept rows, two optimizer steps, summed over the whole
+    # generation batch (against 2 × the full-batch gradient, see `_coverage`)
+    "spg_2x_ga": dict(spg=4, coverage="generation"),
+    # the second pass of num_iterations=2 over the same kept micro-batches, measured alone
+    "num_iterations_2_second": dict(num_iterations=2, coverage="second_iteration"),
+    # β > 0 with a reference that differs from the policy: the KL term has a gradient (~0.3 ‖g‖ here); the target is
+    # the policy term, which the weights make unbiased (the KL term is the kept rows' KL: `test_kl_term_*` below)
+    "beta_perturbed_reference": dict(beta=0.1, perturbed_reference=0.05),
 }
+THREE_LOSSES = ("truncation_mask", "beta", "full_micro_batches", "spg_2x_ga", "beta_perturbed_reference")
 MATRIX = [pytest.param(lt, micro, {}, id=f"{lt}-micro{micro}") for lt in LOSS_TYPES for micro in (1, 2)] + [
     pytest.param(lt, 2, opts, id=f"{lt}-micro2-{name}")
     for name, opts in OPTIONS.items()
-    for lt in (("grpo", "dapo", "bnpo") if name in ("truncation_mask", "beta", "full_micro_batches") else ("grpo",))
+    for lt in (
+        ("grpo", "dapo", "bnpo")
+        if name in THREE_LOSSES
+        else ("grpo", "dapo")
+        if name == "num_iterations_2_second"
+        else ("grpo",)
+    )
 ]
 
 
@@ -257,8 +350,25 @@ def test_unbiased_matrix(warm_model_path, dataset, tmp_path, monkeypatch, loss_t
 
 
 def _patched_constants(monkeypatch, **values):
+    """The two wrong-normaliser controls, on the trainer's constants or, once the loss table lives in plan.py, on
+    `plan.LOSS_NORMALISERS` (dapo given luspo's normaliser: factor w; bnpo given dr_grpo's: w, TRL's own count)."""
     for name, value in values.items():
-        monkeypatch.setattr(trainer_module, name, value)
+        if hasattr(trainer_module, name):
+            monkeypatch.setattr(trainer_module, name, value)
+            continue
+        table = plan_module.LOSS_NORMALISERS
+        wrong, right = {"TOKEN_SUM_LOSSES": ("dapo", "luspo"), "MICRO_TOKEN_MEAN_LOSSES": ("bnpo", "dr_grpo")}[name]
+        monkeypatch.setitem(table, wrong, table[right])
+
+
+def _weights_forced_to_one(monkeypatch, trainer):
+    original = trainer._draw_kept_rows
+
+    def unweighted(batch):
+        idx, factors = original(batch)
+        return idx, torch.ones_like(factors)
+
+    monkeypatch.setattr(trainer, "_draw_kept_rows", unweighted)
 
 
 CONTROLS = {
@@ -278,13 +388,7 @@ def test_matrix_controls_fail(warm_model_path, dataset, tmp_path, monkeypatch, c
     loss_type, scale, patch = CONTROLS[control]
     trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=micro)
     if patch == "ones":
-        original = trainer._draw_kept_rows
-
-        def unweighted(batch):
-            idx, factors = original(batch)
-            return idx, torch.ones_like(factors)
-
-        monkeypatch.setattr(trainer, "_draw_kept_rows", unweighted)
+        _weights_forced_to_one(monkeypatch, trainer)
     else:
         _patched_constants(monkeypatch, **patch)
     case = fixed_case(trainer, dataset, monkeypatch, target_scale=scale)
@@ -293,6 +397,112 @@ def test_matrix_controls_fail(warm_model_path, dataset, tmp_path, monkeypatch, c
     draws = {1: 1536, 2: 512}[micro] if control == "bnpo_as_grpo" else CHEAP_DRAWS
     r = run_case(case, draws)
     assert r.biased(TOLERANCE), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("loss_type", "name"),
+    [("grpo", "spg_2x_ga"), ("grpo", "num_iterations_2_second"), ("grpo", "beta_perturbed_reference")]
+    + [("dapo", "beta_perturbed_reference")],
+)
+def test_new_coverage_weights_one_control_fails(warm_model_path, dataset, tmp_path, monkeypatch, loss_type, name):
+    """The cases added for spg = 2 × GA, the second iteration and the perturbed reference see the same deliberate
+    error as the rest of the matrix: every weight forced to 1 is flagged."""
+    trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=2, **OPTIONS[name])
+    _weights_forced_to_one(monkeypatch, trainer)
+    r = run_case(fixed_case(trainer, dataset, monkeypatch), CHEAP_DRAWS)
+    assert r.biased(TOLERANCE), r
+
+
+# ---------------------------------------------------------------- the KL term (β > 0, perturbed reference)
+def _kept_rows_kl_grad(trainer, full, indices) -> torch.Tensor:
+    """The gradient of TRL's KL term (advantages 0) on a batch of the kept rows alone, as one micro-batch, with the
+    kept rows' own token count as `num_items_in_batch`: the kept rows' KL at the full batch's scale."""
+    n = full["advantages"].shape[0]
+    kept = {k: v[indices] if torch.is_tensor(v) and v.dim() and v.shape[0] == n else v for k, v in full.items()}
+    kept["advantages"] = torch.zeros_like(kept["advantages"])
+    kept["num_items_in_batch"] = kept["completion_mask"].sum().to(full["num_items_in_batch"])
+    ids = torch.cat([kept["prompt_ids"], kept["completion_ids"]], 1)
+    mask = torch.cat([kept["prompt_mask"], kept["completion_mask"]], 1)
+    with torch.no_grad():
+        kept["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+            trainer.ref_model, ids, mask, kept["completion_ids"].size(1)
+        )[0]
+    return _full_batch_grad(trainer, kept)
+
+
+def _pipeline_kl_grads(trainer, raw, draws: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(kept indices, gradient of the KL part summed over one optimizer step) for `draws` draws of the pipeline."""
+    seen, out = [], []
+    owners = [m for m in (trainer_module, plan_module) if m is not None and hasattr(m, "draw_rows")]
+    originals = [owner.draw_rows for owner in owners]
+
+    def recorded(*args, **kwargs):
+        draw = originals[0](*args, **kwargs)
+        seen.append(draw)
+        return draw
+
+    for owner in owners:
+        owner.draw_rows = recorded
+    try:
+        for _ in range(draws):
+            trainer._buffered_inputs, trainer._step = None, 0
+            trainer.model.zero_grad()
+            for _ in range(trainer.args.gradient_accumulation_steps):
+                inputs = trainer._prepare_inputs(raw)
+                zero = dict(inputs, advantages=torch.zeros_like(inputs["advantages"]))
+                trainer._compute_loss(trainer.model, zero).backward()
+                trainer._step += 1
+            out.append((seen.pop().indices.clone(), _flat_grad(trainer.model)))
+    finally:
+        for owner, original in zip(owners, originals, strict=True):
+            owner.draw_rows = original
+    return out
+
+
+def _without_kl_scale(monkeypatch, trainer):
+    """The control: β no longer rescaled by T_full / T_kept (`cost_aware_kl_scale`) for batch-token losses."""
+    original = trainer._compute_loss
+
+    def unscaled(model, inputs):
+        if hasattr(trainer, "_buffer_kl_scale"):
+            trainer._buffer_kl_scale = None
+        return original(model, {k: v for k, v in inputs.items() if k != "cost_aware_kl_scale"})
+
+    monkeypatch.setattr(trainer, "_compute_loss", unscaled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_kl_term_is_the_kept_rows_kl_at_full_batch_scale(warm_model_path, dataset, tmp_path, monkeypatch, loss_type):
+    """With a perturbed reference the KL term has a gradient, and it is not reweighted: on every draw it equals TRL's
+    KL term on the kept rows alone, at the full batch's scale — for dapo that needs the β rescaling by T_full/T_kept
+    (`cost_aware_kl_scale`); without it the KL term shrinks to T_kept/T_full of its size, which this test flags.
+    (bnpo's KL term is each kept micro-batch's own token mean, as in TRL: not compared here.)"""
+    trainer = make_trainer(
+        warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=2, **OPTIONS["beta_perturbed_reference"]
+    )
+    case = fixed_case(trainer, dataset, monkeypatch)
+    for indices, grad in _pipeline_kl_grads(trainer, case.raw, 3):
+        expected = _kept_rows_kl_grad(trainer, case.full, indices)
+        assert expected.norm() > 0
+        torch.testing.assert_close(grad, expected, rtol=1e-3, atol=1e-3 * float(expected.abs().max()))
+
+
+@pytest.mark.slow
+def test_kl_term_without_kl_scale_is_flagged(warm_model_path, dataset, tmp_path, monkeypatch):
+    """The control of the test above: dapo without the β rescaling is off by T_kept/T_full on every draw."""
+    trainer = make_trainer(
+        warm_model_path, dataset, tmp_path, loss_type="dapo", micro=2, **OPTIONS["beta_perturbed_reference"]
+    )
+    case = fixed_case(trainer, dataset, monkeypatch)
+    _without_kl_scale(monkeypatch, trainer)
+    lengths = case.full["completion_mask"].sum(-1)
+    for indices, grad in _pipeline_kl_grads(trainer, case.raw, 3):
+        expected = _kept_rows_kl_grad(trainer, case.full, indices)
+        shrink = float(lengths[indices].sum() / lengths.sum())
+        assert shrink < 0.9
+        torch.testing.assert_close(grad, expected * shrink, rtol=1e-3, atol=1e-3 * float(expected.abs().max()))
 
 
 @pytest.mark.slow
