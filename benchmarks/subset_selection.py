@@ -1,4 +1,4 @@
-"""Static cost-aware subset selection on the synthetic convex problem (ALGORITHM.md §3): cost and error against Γ.
+"""Static cost-aware subset selection on the synthetic convex problem (docs/algorithm.md §3): cost and error against Γ.
 
 Same problem family as benchmarks/cost_aware_sgd.py (weighted LAD, n = 1000, d = 20, G_i ~ LogNormal(0, 0.7),
 c_i ~ U[1, 10], one instance per seed). For each bias budget Γ (in units of Ḡ = (1/n) Σ G_i):

@@ -29,3 +29,20 @@ def test_whole_values_accepted_as_ints(tmp_path):
     assert type(args.cost_aware_seed) is int and type(args.cost_aware_token_budget) is int
     args = make(tmp_path, cost_aware_seed=0, cost_aware_token_budget=1)
     assert (args.cost_aware_seed, args.cost_aware_token_budget) == (0, 1)
+
+
+def test_unknown_loss_type_refused_at_config_time(tmp_path, monkeypatch):
+    """A loss type whose normaliser is not derived is refused by the config, before a model is named or loaded."""
+    from trl import GRPOConfig
+
+    original = GRPOConfig.__post_init__
+
+    def accept_any_loss(self):  # as if TRL had added a new loss type
+        loss_type, self.loss_type = self.loss_type, "grpo"
+        original(self)
+        self.loss_type = loss_type
+
+    monkeypatch.setattr(GRPOConfig, "__post_init__", accept_any_loss)
+    with pytest.raises(ValueError, match=r"loss_type='new_token_sum' is not supported with cost_aware=True"):
+        make(tmp_path, loss_type="new_token_sum")
+    assert make(tmp_path, loss_type="new_token_sum", cost_aware=False).loss_type == "new_token_sum"

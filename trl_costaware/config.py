@@ -12,6 +12,7 @@ from trl import GRPOConfig
 from ._compat import check_trl_version
 from .budget import AUTO, KeptFraction
 from .layout import full_micro_batch_layout
+from .plan import check_loss_type
 from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
 
 check_trl_version()  # the package imports this module on first use of the config or the trainer
@@ -77,8 +78,9 @@ class CostAwareGRPOConfig(GRPOConfig):
             training on the whole generation batch (0: keep every informative row; 1: the update may be twice as
             noisy as the full batch's).
         cost_aware_token_budget (`int` or `None`, defaults to `None`):
-            If set, replaces the kept fraction: each generation batch keeps as many rows as the expected token cost
-            of the draw allows (tokens per rank per generation batch); all ranks use the smallest such count.
+            If set (a whole number >= 1), replaces the kept fraction: each generation batch keeps as many rows as the
+            expected token cost of the draw allows (tokens per rank per generation batch); all ranks use the smallest
+            such count.
         cost_aware_proxy (`str`, defaults to `"advantage"`):
             Sampling score: `"advantage"` (|A|/√c, the method), `"loss_aware"` (|A|·h/√c, h from the loss type's
             normaliser and the row's length, docs/budget_and_proxy.md §1), `"uniform"`, `"inverse_sqrt_cost"` (1/√c),
@@ -102,7 +104,8 @@ class CostAwareGRPOConfig(GRPOConfig):
         cost_aware_group_by_length (`bool`, defaults to `False`):
             Put kept rows of similar length in the same micro-batch (less padding); micro-batch order stays random.
         cost_aware_seed (`int` or `None`, defaults to `None`):
-            Seed of the sampler's generator (offset by the process index); `None` uses `seed`.
+            Seed of the sampler's random streams (the draw and the length grouping; independent per process and per
+            stream, see `sampling.stream_seed`); a whole number >= 0. `None` uses `seed`.
         cost_aware_run_group (`str` or `None`, defaults to `None`):
             Group name shared by the runs of one comparison (W&B group, and a field of the local metrics record).
         cost_aware_full_micro_batches (`bool`, defaults to `False`):
@@ -191,7 +194,10 @@ class CostAwareGRPOConfig(GRPOConfig):
     )
     cost_aware_seed: int | None = field(
         default=None,
-        metadata={"help": "Seed of the sampler's torch.Generator (plus the process index). None: use `seed`."},
+        metadata={
+            "help": "Seed (a whole number >= 0) of the sampler's random streams: the draw and the length grouping, "
+            "independent per process and per stream. None: use `seed`."
+        },
     )
     cost_aware_run_group: str | None = field(
         default=None,
@@ -214,6 +220,8 @@ class CostAwareGRPOConfig(GRPOConfig):
         if self.cost_aware and self.cost_aware_full_micro_batches:
             self._apply_full_micro_batch_layout()  # before TRL derives the generation batch from these fields
         super().__post_init__()
+        if self.cost_aware:
+            check_loss_type(self.loss_type)  # a ValueError naming loss_type and the supported ones, before any load
         if self.cost_aware and self.top_entropy_quantile < 1.0:
             # TRL takes the entropy threshold over the tokens of the current micro-batch, so a kept row's loss depends
             # on which other rows were drawn: no per-row weight makes that unbiased for the full batch's loss.
