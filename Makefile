@@ -23,7 +23,7 @@ TEST_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_
 	TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 WANDB_MODE ?= offline
 
-.PHONY: install test test-all test-gpu demo lint format clean
+.PHONY: install test test-all test-gpu demo demo-long diagnose-long lint format clean
 
 install: $(STAMP)
 
@@ -52,6 +52,16 @@ test-gpu:
 
 demo: $(STAMP)
 	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.demo
+
+# The long testbed (counting, completions of 2 to 96 tokens, wrong ones run on to the cap): GRPO and Cost-Aware GRPO,
+# progress bars, outputs/demo-long/heldout_accuracy.png. Its warm-up takes ~10 min on one core the first time.
+demo-long: $(STAMP)
+	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.demo --testbed long
+
+# What the long testbed's rollouts look like at the start of GRPO, and which of its properties hold.
+diagnose-long: $(STAMP)
+	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.diagnose --testbed long \
+		$(if $(wildcard benchmarks/results/token_efficiency_full_long.json),--results benchmarks/results/token_efficiency_full_long.json,)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -56,6 +56,26 @@ ARMS: dict[str, dict] = {
     "cost_aware_0.5_recenter": {"trainer": "cost_aware", "settings": {"cost_aware_weight_normalization": "recenter"}},
     # View B: GRPO on half the rollouts per step (32 prompts x 16), the policy tokens per step of a kept-0.5 arm.
     "grpo_half": {"trainer": "grpo", "settings": {"per_device_train_batch_size": 512}},
+    "uniform_0.25": {
+        "trainer": "cost_aware",
+        "settings": {"cost_aware_proxy": "uniform", "cost_aware_kept_fraction": 0.25},
+    },
+    "uniform_0.5_recenter": {
+        "trainer": "cost_aware",
+        "settings": {"cost_aware_proxy": "uniform", "cost_aware_weight_normalization": "recenter"},
+    },
+    "cost_aware_auto": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": "auto"}},
+    "cost_aware_auto_recenter": {
+        "trainer": "cost_aware",
+        "settings": {"cost_aware_kept_fraction": "auto", "cost_aware_weight_normalization": "recenter"},
+    },
+    "cost_aware_0.5_loss_aware": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "loss_aware"}},
+    "cost_aware_0.5_group_by_length": {"trainer": "cost_aware", "settings": {"cost_aware_group_by_length": True}},
+    "cost_aware_0.5_full_micro": {"trainer": "cost_aware", "settings": {"cost_aware_full_micro_batches": True}},
+}
+# Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
+TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
+    "long": {"grpo_half": {"per_device_train_batch_size": 16}},  # 16 prompts x 8 = 128 rollouts per step
 }
 
 
@@ -82,11 +102,12 @@ def run_arm(
     root: str,
     *,
     name: str | None = None,
-    steps: int = DEFAULT_STEPS,
-    eval_every: int = EVAL_EVERY,
+    steps: int | None = DEFAULT_STEPS,
+    eval_every: int | None = EVAL_EVERY,
     eval_n: int = HELDOUT_N,
     progress: bool = False,
     extra_settings: dict | None = None,
+    testbed: str = "default",
 ) -> dict:
     """Train one arm for one seed in this process; return `train_run`'s dict plus ``arm``, and checkpoint it.
 
@@ -95,6 +116,9 @@ def run_arm(
     ``root/<name>__s<seed>/run_result.json`` and reused when it exists with the same arm, settings and steps."""
     if isinstance(arm, str):
         name, spec = name or arm, ARMS[arm]
+        override = TESTBED_ARM_SETTINGS.get(testbed, {}).get(arm)
+        if override:
+            spec = {**spec, "settings": {**spec.get("settings", {}), **override}}
     else:
         if name is None:
             raise ValueError("run_arm: a dict arm needs a name")
@@ -106,7 +130,7 @@ def run_arm(
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             cached = json.load(fh)
-        if cached.get("spec") == spec and cached.get("steps") == steps:
+        if cached.get("spec") == spec and cached.get("steps") == steps and cached.get("testbed", "default") == testbed:
             return cached
     cls, needed = trainer_for(spec["trainer"])
     result = train_run(
@@ -118,7 +142,8 @@ def run_arm(
         eval_every=eval_every,
         eval_n=eval_n,
         progress=f"{name} s{seed}" if progress else None,
-        run_group=f"testbed-{name}",
+        run_group=f"testbed-{testbed}-{name}",
+        testbed=testbed,
     )
     result.update(arm=name, spec=spec)
     os.makedirs(out, exist_ok=True)

@@ -38,12 +38,19 @@ import _common as common  # noqa: E402
 
 from trl_costaware.demo import finish_accuracy_plot  # noqa: E402
 
-MAIN_ARMS = ("grpo", "cost_aware_0.5")  # --seeds (10)
+MAIN_ARMS = ("grpo", "cost_aware_0.5", "uniform_0.5")  # --seeds (10)
 # --other-seeds (5)
-OTHER_ARMS = ("grpo_half", "zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5_recenter")
+OTHER_ARMS = ("grpo_half", "zero_adv_filter", "pods_0.5", "cost_aware_0.5_recenter", "uniform_0.5_recenter")
+OTHER_ARMS += ("cost_aware_auto", "cost_aware_auto_recenter", "cost_aware_0.5_loss_aware")
+OTHER_ARMS += ("cost_aware_0.5_group_by_length", "uniform_0.25")
 KEPT_ARMS = ("cost_aware_0.25", "cost_aware_0.75")  # --kept-seeds (5)
-VIEW_A = ("grpo", "zero_adv_filter", "uniform_0.5", "pods_0.5", "cost_aware_0.25", "cost_aware_0.5")
-VIEW_A += ("cost_aware_0.75", "cost_aware_0.5_recenter")
+# Arms a testbed's layout allows beyond those (full micro-batches need steps_per_generation > 1: the default testbed
+# has one micro-batch per generation batch, so the layout has nothing to merge there).
+TESTBED_ARMS = {"default": (), "long": ("cost_aware_0.5_full_micro",)}
+VIEW_A = ("grpo", "zero_adv_filter", "uniform_0.5", "uniform_0.5_recenter", "uniform_0.25", "pods_0.5")
+VIEW_A += ("cost_aware_0.25", "cost_aware_0.5", "cost_aware_0.75", "cost_aware_0.5_recenter", "cost_aware_auto")
+VIEW_A += ("cost_aware_auto_recenter", "cost_aware_0.5_loss_aware", "cost_aware_0.5_group_by_length")
+VIEW_A += ("cost_aware_0.5_full_micro",)
 VIEW_B = ("grpo_half", "cost_aware_0.5")
 EVAL_GRID = 4  # the analysis reads every run's curve at steps 0, 4, 8, ... (runs evaluated more often included)
 TARGET_FRACTION = 0.8
@@ -162,8 +169,11 @@ def analyse(runs: dict[str, dict[int, dict]]) -> dict:
                 "greedy_start": r["greedy_acc_start"],
                 "greedy_end": r["greedy_acc_end"],
                 "policy_tokens": r["totals"]["policy_tokens"],
+                "policy_tokens_padded": r["totals"].get("policy_tokens_padded"),
                 "generated_tokens": r["totals"]["generated_tokens"],
                 "train_wall_s": r["train_wall_s"],
+                "update_share": update_share(r),
+                **{k: v for k, v in (r.get("batch_metrics") or {}).items()},
                 "reached": hit is not None,
             }
             ends.append(row["end_acc"])
@@ -191,6 +201,9 @@ def analyse(runs: dict[str, dict[int, dict]]) -> dict:
         a["greedy_change"] = bootstrap_ci([r["greedy_end"] - r["greedy_start"] for r in a["per_seed"]])
         a["policy_tokens_total"] = float(np.mean([r["policy_tokens"] for r in a["per_seed"]]))
         a["train_wall_s"] = float(np.mean([r["train_wall_s"] for r in a["per_seed"]]))
+        for key in ("policy_tokens_padded", "update_share", *THEORY_KEYS):
+            vals = [r[key] for r in a["per_seed"] if r.get(key) is not None]
+            a[key] = float(np.mean(vals)) if vals else None
         a["n"] = n
         del base_arm
         if arm != "grpo":
@@ -201,14 +214,32 @@ def analyse(runs: dict[str, dict[int, dict]]) -> dict:
         out["arms"][arm] = a
     if "grpo_half" in runs and "cost_aware_0.5" in runs:
         out["view_b"] = view_b(runs["grpo_half"], runs["cost_aware_0.5"], target)
-    if "cost_aware_0.5" in runs:
-        out["cost_aware_vs"] = {
-            other: paired(runs["cost_aware_0.5"], runs[other], target) for other in PEERS if other in runs
-        }
+    out["cost_aware_vs"] = {
+        f"{arm} vs {other}": paired(runs[arm], runs[other], target)
+        for arm, other in PAIRS
+        if arm in runs and other in runs
+    }
     return out
 
 
-PEERS = ("zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5_recenter")
+# The comparisons that say what the row choice adds: the method against plain subsampling at the same kept fraction
+# and weights (uniform, PODS), against the exact zero-advantage filter, and its options against the default.
+PAIRS = [("cost_aware_0.5", o) for o in ("zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5_recenter")]
+PAIRS += [("cost_aware_0.5_recenter", "uniform_0.5_recenter"), ("cost_aware_0.5_recenter", "pods_0.5")]
+PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_auto", "cost_aware_0.5_loss_aware")]
+PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_0.5_group_by_length", "cost_aware_0.5_full_micro")]
+PAIRS += [("cost_aware_auto_recenter", "cost_aware_0.5_recenter"), ("uniform_0.25", "uniform_0.5")]
+THEORY_KEYS = ("j_ratio_ideal", "j_ratio_achieved", "kept_token_fraction", "informative_fraction")
+
+
+def update_share(run: dict) -> float | None:
+    """The update phase's share of a training step's wall time: (training step − generation and scoring) / training
+    step, summed over the run (`testbed._timed`); None for runs recorded without the timers."""
+    ph = run.get("phase_s") or {}
+    step, gen = ph.get("training_step"), ph.get("generate_and_score")
+    if not step or gen is None:
+        return None
+    return max(0.0, step - gen) / step
 
 
 def paired(arm: dict[int, dict], other: dict[int, dict], target: float) -> dict:
@@ -272,6 +303,10 @@ def _ci(t, fmt="{:+.3f}") -> str:
     return f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
+def _num(v, fmt: str = "{:.3f}") -> str:
+    return "—" if v is None else fmt.format(v)
+
+
 def markdown(res: dict, command: str) -> str:
     if "error" in res:
         return res["error"]
@@ -283,8 +318,9 @@ def markdown(res: dict, command: str) -> str:
         f"(greedy change {_ci(res['grpo_greedy_change'])}); target "
         + (f"{res['target']:.3f} ({res['target_rule']})." if res["target"] is not None else f"{res['target_rule']}."),
         "",
-        "View A — same rollouts per step (64 × 16). Ratios are arm / GRPO of the same seed, over the seeds where both "
-        "reached the target (mean [bootstrap 95% CI]); Δ are paired differences in held-out accuracy.",
+        f"View A — same rollouts per step ({res.get('rollouts_per_step', '64 × 16')}). Ratios are arm / GRPO of the "
+        "same seed, over the seeds where both reached the target (mean [bootstrap 95% CI]); Δ are paired differences "
+        "in held-out accuracy.",
         "",
         "| arm | seeds | reached | policy tokens to target / GRPO | wall to target / GRPO | steps to target / GRPO"
         " | end acc (last 3 evals) | Δ end, equal steps | Δ end, equal policy tokens | greedy change | policy tokens"
@@ -314,23 +350,48 @@ def markdown(res: dict, command: str) -> str:
     if vs:
         lines += [
             "",
-            "Cost-Aware GRPO 0.5 against the other row rules, paired on their common seeds (ratio = Cost-Aware / "
-            "other, mean [95% CI]; Δ = Cost-Aware − other):",
+            "The row rules against each other, paired on their common seeds (ratio = first / second arm, mean "
+            "[95% CI]; Δ = first − second):",
             "",
-            "| other arm | seeds | policy tokens to target, ratio | wall to target, ratio | Δ end acc., equal steps |",
+            "| comparison | seeds | policy tokens to target, ratio | wall to target, ratio | Δ end acc., equal steps"
+            " |",
             "|---|---|---|---|---|",
         ]
-        for other, v in vs.items():
+        for pair, v in vs.items():
             lines.append(
-                f"| {other} | {len(v['seeds'])} | {_ci(v['ratio_policy_tokens']['ci'], '{:.2f}')} | "
+                f"| {pair} | {len(v['seeds'])} | {_ci(v['ratio_policy_tokens']['ci'], '{:.2f}')} | "
                 f"{_ci(v['ratio_wall']['ci'], '{:.2f}')} | {_ci(v['end_difference_equal_steps'])} |"
             )
+    lines += [
+        "",
+        "Cost and theory per arm (means over seeds): real and padded policy-optimisation tokens (padded = rows × "
+        "width of the policy micro-batches), the update phase's share of a training step's wall time, and per "
+        "generation "
+        "batch (cost-aware arms only, from the sampler's log) the theory's best cost ratio of any row choice against "
+        "uniform subsampling J(p*)/J(u) with G = |A|, the ratio of the arm's own distribution J(p)/J(u), the kept "
+        "token fraction and the fraction of rows with A ≠ 0.",
+        "",
+        "| arm | policy tokens | padded | padded / real | update share of step | J(p*)/J(u) | J(p)/J(u) | kept token"
+        " fraction | rows with A ≠ 0 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm in [a for a in VIEW_A if a in arms] + [a for a in arms if a not in VIEW_A]:
+        a = arms[arm]
+        pad = a.get("policy_tokens_padded")
+        cells = [
+            f"{a['policy_tokens_total'] / 1e6:.3f}M",
+            "n/a" if pad is None else f"{pad / 1e6:.3f}M",
+            "n/a" if pad is None else f"{pad / a['policy_tokens_total']:.2f}",
+            _num(a.get("update_share"), "{:.0%}"),
+            *(_num(a.get(k)) for k in THEORY_KEYS),
+        ]
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
     vb = res.get("view_b")
     if vb:
         lines += [
             "",
-            "View B — same policy tokens per step: Cost-Aware 0.5 (generates 64 × 16, keeps half) against GRPO on "
-            f"32 × 16 rollouts, {len(vb['seeds'])} paired seeds.",
+            "View B — same policy tokens per step: Cost-Aware 0.5 (keeps half of the rollouts of View A) against GRPO "
+            f"on half as many prompts, {len(vb['seeds'])} paired seeds.",
             "",
             "| measure | value |",
             "|---|---|",
@@ -376,11 +437,16 @@ def plot_curves(runs: dict[str, dict[int, dict]], arms, path: str, title: str, t
     return path
 
 
-def write_results(root: str, steps: int, tag: str, command: str) -> dict:
+ROLLOUTS_PER_STEP = {"default": "64 × 16", "long": "32 × 8"}
+
+
+def write_results(root: str, steps: int, tag: str, command: str, testbed: str = "default") -> dict:
     runs = load_runs(root, steps)
     res = analyse(runs)
     res["command"] = command
     res["steps"] = steps
+    res["testbed"] = testbed
+    res["rollouts_per_step"] = ROLLOUTS_PER_STEP[testbed]
     base = os.path.join(common.RESULTS, f"token_efficiency_{tag}")
     if "error" not in res:
         main = ("grpo", "zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5")
@@ -417,9 +483,14 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="run folder (default outputs/bench/token_efficiency_<tag>)")
     p.add_argument("--tag", default=None, help="results file name suffix (default full / quick)")
     p.add_argument("--analyze-only", action="store_true")
+    p.add_argument("--testbed", default="default", choices=("default", "long"), help="embedded testbed")
+    p.add_argument("--arms", default=None, help="comma-separated arms to run (default: all of the testbed's)")
     args = p.parse_args(argv)
-    tag = args.tag or ("quick" if args.quick else "full")
-    steps = args.steps or (30 if args.quick else common.DEFAULT_STEPS)
+    from trl_costaware.embedded.testbed import get_testbed
+
+    bed = get_testbed(args.testbed)
+    tag = args.tag or ("quick" if args.quick else "full") + ("" if args.testbed == "default" else f"_{args.testbed}")
+    steps = args.steps or (30 if args.quick else bed.steps)
     root = args.out or os.path.join(common.ROOT, "outputs", "bench", f"token_efficiency_{tag}")
     command = " ".join(["python benchmarks/token_efficiency.py", *(argv if argv is not None else sys.argv[1:])])
     os.makedirs(common.RESULTS, exist_ok=True)
@@ -427,18 +498,22 @@ def main(argv=None):
         if args.quick:
             order = schedule([(MAIN_ARMS, 2)])
         else:
-            order = schedule([(MAIN_ARMS, args.seeds), (OTHER_ARMS, args.other_seeds), (KEPT_ARMS, args.kept_seeds)])
+            other = OTHER_ARMS + TESTBED_ARMS[args.testbed]
+            order = schedule([(MAIN_ARMS, args.seeds), (other, args.other_seeds), (KEPT_ARMS, args.kept_seeds)])
+        if args.arms:
+            wanted = set(args.arms.split(","))
+            order = [(a, s) for a, s in order if a in wanted]
         t0 = time.perf_counter()
         for i, (arm, seed) in enumerate(order):
-            r = common.run_arm(arm, seed, root, steps=steps, eval_every=args.eval_every)
+            r = common.run_arm(arm, seed, root, steps=steps, eval_every=args.eval_every, testbed=args.testbed)
             print(
                 f"[{i + 1}/{len(order)}] {arm} seed {seed}: held-out {r['heldout_acc_start']:.3f} -> "
                 f"{r['heldout_acc_end']:.3f}, train {r['train_wall_s']:.0f}s "
                 f"(elapsed {time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
-            write_results(root, steps, tag, command)
-    res = write_results(root, steps, tag, command)
+            write_results(root, steps, tag, command, args.testbed)
+    res = write_results(root, steps, tag, command, args.testbed)
     print(markdown(res, command))
 
 

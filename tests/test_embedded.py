@@ -318,3 +318,121 @@ def test_plain_grpo_runs_on_warm_model(warm_model_path, tmp_path, conversational
     assert all(0.0 <= h["reward"] <= 1.0 for h in logs)
     assert any(h["reward_std"] > 0 for h in logs)
     assert all(h["completions/mean_length"] <= 24 for h in logs)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The long testbed's task (counting through a cyclic alphabet)
+
+
+def test_count_problem_format_and_wrap_around():
+    from trl_costaware.embedded.counting import counting_completion_tokens, make_count_problem
+
+    assert make_count_problem("c", 3) == {"prompt": "c-f=", "answer": "c,d,e,f", "solution": "c,d,e,f", "span": 3}
+    assert make_count_problem("x", 0)["solution"] == "x"
+    assert make_count_problem("Y", 3)["solution"] == "Y,Z,a,b"  # cyclic: after Z comes a
+    assert make_count_problem("z", 1)["solution"] == "z,A"
+    assert counting_completion_tokens(3) == len("c,d,e,f") + 1  # + EOS
+    with pytest.raises(ValueError, match="start"):
+        make_count_problem("7", 1)
+    with pytest.raises(ValueError, match="span"):
+        make_count_problem("a", 52)
+
+
+def test_counting_dataset_lengths_and_determinism(tokenizer):
+    from trl_costaware.embedded.counting import DEFAULT_MAX_SPAN, LONG_MAX_COMPLETION_LENGTH, counting_dataset
+
+    ds = counting_dataset(2000, seed=4)
+    assert ds.to_list() == counting_dataset(2000, seed=4).to_list()
+    assert ds.to_list() != counting_dataset(2000, seed=5).to_list()
+    assert set(ds["span"]) == set(range(DEFAULT_MAX_SPAN + 1))
+    completion = [len(tokenizer(s + tokenizer.eos_token)["input_ids"]) for s in ds["solution"]]
+    prompt = [len(tokenizer(p)["input_ids"]) for p in ds["prompt"]]
+    assert set(prompt) == {4}
+    assert min(completion) == 2 and max(completion) == 2 * (DEFAULT_MAX_SPAN + 1) < LONG_MAX_COMPLETION_LENGTH
+    assert statistics.mean(prompt) / statistics.mean(p + c for p, c in zip(prompt, completion, strict=True)) < 0.1
+    for row in ds.select(range(200)):
+        letters = row["solution"].split(",")
+        assert row["prompt"] == f"{letters[0]}-{letters[-1]}=" and len(letters) == row["span"] + 1
+
+
+@pytest.mark.parametrize(
+    ("completion", "expected"),
+    [("c,d,e,f", 1.0), (" c,d,e,f ", 1.0), ("c,d,e,f<eos>", 1.0), ("c,d,e,f,g", 0.0), ("c,d,f", 0.0), ("", 0.0)],
+)
+def test_counting_reward(completion, expected):
+    from trl_costaware.embedded.counting import counting_reward
+
+    assert counting_reward([completion], ["c,d,e,f"]) == [expected]
+    assert counting_reward([[{"role": "assistant", "content": completion}]], ["c,d,e,f"]) == [expected]
+
+
+def test_run_on_completion_is_longer_than_the_cap_and_wrong(tokenizer):
+    from trl_costaware.embedded.counting import LONG_MAX_COMPLETION_LENGTH, counting_reward, run_on_completion
+
+    for sol in ("x", "c,d,e,f", ",".join("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMN")):
+        run_on = run_on_completion(sol)
+        assert run_on.startswith(sol + ",")
+        assert len(tokenizer(run_on)["input_ids"]) > LONG_MAX_COMPLETION_LENGTH  # truncated at the cap when sampled
+        assert counting_reward([run_on], [sol]) == [0.0]
+    assert run_on_completion("Z,a").split(",")[2] == "b"
+
+
+def test_long_warmup_dataset_runs_on_in_the_recipe_fraction():
+    from trl_costaware.embedded.counting import counting_dataset
+
+    recipe = WARMUP_RECIPES["long"]
+    assert recipe.task == "counting"
+    ds = warmup_dataset(4000, seed=3, recipe=recipe)
+    solutions = counting_dataset(4000, seed=3)["solution"]
+    run_on = [c != s for c, s in zip(ds["completion"], solutions, strict=True)]
+    assert all(c.startswith(s) for c, s in zip(ds["completion"], solutions, strict=True))
+    assert abs(statistics.mean(run_on) - recipe.run_on_fraction) < 0.03
+
+
+def test_testbed_registry_and_recipes_construct():
+    from trl_costaware import CostAwareGRPOConfig
+    from trl_costaware.embedded.testbed import LONG_RECIPE, TESTBEDS, get_testbed
+
+    assert set(TESTBEDS) == {"default", "long"}
+    with pytest.raises(ValueError, match="testbed must be one of"):
+        get_testbed("short")
+    long = get_testbed("long")
+    assert long.task.name == "counting" and long.reward.__name__ == "counting_reward"
+    assert get_testbed("default").task.name == "arithmetic"
+    rows = LONG_RECIPE["per_device_train_batch_size"] * LONG_RECIPE["steps_per_generation"]
+    assert rows == 256 and rows % LONG_RECIPE["num_generations"] == 0
+    for name, bed in TESTBEDS.items():
+        config = CostAwareGRPOConfig(output_dir=f"/tmp/unused-{name}", cost_aware=True, **bed.recipe)
+        assert config.max_completion_length == bed.task.max_new_tokens
+    full = CostAwareGRPOConfig(
+        output_dir="/tmp/unused", cost_aware=True, cost_aware_full_micro_batches=True, **LONG_RECIPE
+    )
+    assert full.per_device_train_batch_size * full.steps_per_generation == rows  # the layout keeps the batch
+
+
+def test_diagnose_report_flags_each_property():
+    from trl_costaware.embedded.diagnose import group_advantages, report, run_properties
+
+    adv = group_advantages([1, 0, 0, 0, 1, 1, 1, 1], 4)
+    assert adv[:4].tolist() == pytest.approx([1.5, -0.5, -0.5, -0.5], abs=1e-3) and adv[4:].abs().max() == 0
+    stats = {
+        "testbed": "long", "rollouts": 8, "batches": 1, "model": "m", "length_p10": 4, "length_median": 20,
+        "length_p90": 40, "length_spread": 10.0, "cap": 96, "truncated": 0.5, "reward_mean": 0.5,
+        "mean_length_right": 10.0, "mean_length_wrong": 30.0, "wrong_over_right": 3.0, "prompt_share": 0.1,
+        "mean_rollout_cost": 30.0, "j_ideal_mean": 0.8, "j_method_mean": 0.85, "informative_rows_mean": 0.5,
+    }  # fmt: skip
+    runs = run_properties(
+        {
+            "grpo_improvement": {"mean": 0.2, "ci95": [0.12, 0.25]},
+            "arms": {
+                "uniform_0.25": {"ratio_vs_grpo": {"step": {"ci": [1.1, 1.0, 1.2]}}},
+                "grpo": {"train_wall_s": 100},
+            },
+        }
+    )
+    text = report(stats, runs)
+    assert "| rollouts truncated at the cap | 50.0% | 10-30% | NO |" in text
+    assert "| p90/p10 of completion lengths | 10 | >= 6 | yes |" in text
+    assert "| uniform 0.25 steps to target / GRPO | 1.1 | >= 1.2 | NO |" in text
+    assert "| GRPO held-out gain (mean over seeds) | 0.2 | >= +0.15 | yes |" in text
+    assert "not measured" in report(stats)

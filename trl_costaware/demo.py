@@ -1,6 +1,7 @@
 """`make demo`: GRPO and Cost-Aware GRPO side by side on the embedded default (tiny model, arithmetic task).
+`make demo-long`: the same on the long testbed (counting, completions of 2 to 96 tokens).
 
-    python -m trl_costaware.demo [--steps 50] [--seed 0] [--output_dir outputs/demo]
+    python -m trl_costaware.demo [--steps 50] [--seed 0] [--output_dir outputs/demo] [--testbed long]
 
 Builds (or reuses) the tiny model and its SFT warm-up, trains both arms from the same checkpoint with the same seed,
 the same prompts and the same rollouts per step (the `trl_costaware.embedded.testbed` recipe: 64 prompts x 16
@@ -93,7 +94,7 @@ def plot_curves(results: dict[str, dict], target: float | None, path: str, title
 
 
 def run_demo(
-    steps: int = DEFAULT_STEPS,
+    steps: int | None = DEFAULT_STEPS,
     seed: int = 0,
     output_dir: str = "outputs/demo",
     eval_every: int = EVAL_EVERY,
@@ -101,11 +102,13 @@ def run_demo(
     settings: dict | None = None,
     progress: bool = True,
     model_path: str | None = None,
+    testbed: str = "default",
 ) -> dict:
     """Train both arms and write ``summary.json`` and the figure; returns the summary. `settings` are extra
     `CostAwareGRPOConfig` fields for both arms (tests use it to shrink the run)."""
-    from trl_costaware.embedded.testbed import train_run
+    from trl_costaware.embedded.testbed import get_testbed, train_run
 
+    steps = get_testbed(testbed).steps if steps is None else steps
     os.makedirs(output_dir, exist_ok=True)
     results = {}
     for name, arm_settings in ARMS.items():
@@ -118,12 +121,14 @@ def run_demo(
             eval_n=eval_n,
             model_path=model_path,
             progress=f"{name:>16}" if progress else None,
-            run_group="demo",
+            run_group="demo" if testbed == "default" else f"demo-{testbed}",
+            testbed=testbed,
         )
     target, why = demo_target(results["grpo"]["curve"], eval_n)
     summary = {
         "steps": steps,
         "seed": seed,
+        "testbed": testbed,
         "heldout_problems": eval_n,
         "target": target,
         "target_rule": why,
@@ -146,7 +151,7 @@ def run_demo(
         results,
         target,
         os.path.join(output_dir, "heldout_accuracy.png"),
-        f"Embedded default, seed {seed}: held-out accuracy vs policy tokens",
+        f"Embedded {testbed} testbed, seed {seed}: held-out accuracy vs policy tokens",
     )
     with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
@@ -155,7 +160,8 @@ def run_demo(
 
 def format_summary(summary: dict) -> str:
     lines = [
-        f"Embedded default, {summary['steps']} steps per arm, seed {summary['seed']}, same prompts and rollouts; "
+        f"Embedded {summary.get('testbed', 'default')} testbed, {summary['steps']} steps per arm, seed "
+        f"{summary['seed']}, same prompts and rollouts; "
         f"held-out accuracy on {summary['heldout_problems']} problems (one sample at T=1; ±0.02).",
         "",
         "| arm | held-out acc start → end | greedy start → end | policy tokens | tokens to target | train s |",
@@ -189,7 +195,8 @@ def format_summary(summary: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps per arm")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per arm (default: the testbed's)")
+    parser.add_argument("--testbed", default="default", choices=("default", "long"), help="embedded testbed")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--eval_every", type=int, default=EVAL_EVERY, help="held-out evaluation every N steps")
     parser.add_argument("--output_dir", default="outputs/demo")
@@ -202,15 +209,23 @@ def main(argv: list[str] | None = None) -> None:
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()  # "Loading weights" bars; the demo's own bars stay
 
-    from trl_costaware.embedded import warmed_up_model_path
+    from trl_costaware.embedded.testbed import get_testbed
 
-    print("Building the embedded tiny model and its SFT warm-up (cached after the first run; 2-4 min) ...", flush=True)
-    print(f"  model: {warmed_up_model_path()}", flush=True)
-    summary = run_demo(args.steps, args.seed, args.output_dir, args.eval_every)
+    bed = get_testbed(args.testbed)
+    print(
+        f"Building the tiny model and its SFT warm-up for the {bed.name} testbed (cached after the first run; 2-8 min)"
+        " ...",
+        flush=True,
+    )
+    print(f"  model: {bed.model_path()}", flush=True)
+    output_dir = (
+        args.output_dir if args.testbed == "default" or args.output_dir != "outputs/demo" else "outputs/demo-long"
+    )
+    summary = run_demo(args.steps, args.seed, output_dir, args.eval_every, testbed=args.testbed)
     print()
     print(format_summary(summary))
-    print(f"\nFigure: {summary['figure']}  Summary: {os.path.join(args.output_dir, 'summary.json')}")
-    print(f"Metric records: {args.output_dir}/<arm>/ (`trl-costaware compare {args.output_dir}/*`).")
+    print(f"\nFigure: {summary['figure']}  Summary: {os.path.join(output_dir, 'summary.json')}")
+    print(f"Metric records: {output_dir}/<arm>/ (`trl-costaware compare {output_dir}/*`).")
 
 
 if __name__ == "__main__":

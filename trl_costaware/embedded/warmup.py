@@ -6,7 +6,7 @@ import contextlib
 import os
 import random
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ._cache import cache_root, cached_build
 from .arithmetic import (
@@ -16,7 +16,9 @@ from .arithmetic import (
     arithmetic_reward,
     max_completion_tokens,
 )
+from .counting import counting_dataset, run_on_completion
 from .model import MODEL_VERSION, tiny_model_path
+from .tasks import get_task
 
 # Bump when a recipe changes, so stale cache entries are not reused.
 WARMUP_VERSION = "v2"
@@ -34,8 +36,16 @@ class WarmupRecipe:
     """
 
     steps: int
-    max_terms: int
+    max_terms: int = DEFAULT_MAX_TERMS
     repeat_fraction: float = 0.0
+    task: str = "arithmetic"  # a `tasks.TASKS` name; "counting" ignores max_terms and repeat_fraction
+    run_on_fraction: float = 0.0  # counting: this fraction of the habit phase's completions run on past the stop
+    learning_rate: float = WARMUP_LEARNING_RATE
+    # A second phase (counting): `habit_steps` steps at constant `habit_learning_rate` on data where `run_on_fraction`
+    # of the completions run on (`run_on_completion`), after `steps` clean steps. The clean phase learns the task and
+    # its stop first; mixed in from the start, the run-ons keep the tiny model from ever learning the stop.
+    habit_steps: int = 0
+    habit_learning_rate: float = 1e-3
 
 
 WARMUP_RECIPES = {
@@ -44,6 +54,9 @@ WARMUP_RECIPES = {
     "default": WarmupRecipe(steps=1000, max_terms=DEFAULT_MAX_TERMS, repeat_fraction=0.3),
     # The earlier default (1-6 terms, 500 clean steps), on which plain GRPO does not learn (BENCHMARKS.md).
     "sums6": WarmupRecipe(steps=500, max_terms=LEGACY_MAX_TERMS, repeat_fraction=0.0),
+    # The long testbed: counting (`counting.py`), 1200 clean steps (held-out sampled accuracy 0.94, no run-ons), then
+    # 150 steps at lr 3e-4 where 25% of the completions run on past the stop (sampled 0.56, 28% truncated at the cap).
+    "long": WarmupRecipe(steps=1200, task="counting", run_on_fraction=0.25, habit_steps=150, habit_learning_rate=3e-4),
 }
 DEFAULT_WARMUP_STEPS = WARMUP_RECIPES["default"].steps
 
@@ -82,36 +95,59 @@ def _quiet_datasets():
 
 
 def warmup_dataset(n: int, seed: int, recipe: WarmupRecipe):
-    """The SFT data of `recipe`: prompt-completion rows, `recipe.repeat_fraction` of them with the answer repeated."""
+    """The SFT data of `recipe`: prompt-completion rows; for the arithmetic task `recipe.repeat_fraction` of them
+    repeat the answer, for the counting task `recipe.run_on_fraction` of them run on past the stop."""
+    from datasets import Dataset
+
+    if recipe.task == "counting":
+        ds = counting_dataset(n, seed=seed)
+        rng = random.Random(seed + 1)
+        completions = [run_on_completion(s) if rng.random() < recipe.run_on_fraction else s for s in ds["solution"]]
+        return Dataset.from_dict({"prompt": list(ds["prompt"]), "completion": completions})
     ds = arithmetic_dataset(n, seed=seed, max_terms=recipe.max_terms)
     rng = random.Random(seed + 1)
     repeat = [rng.random() < recipe.repeat_fraction for _ in range(n)]
     completions = [
         sol + ("|" + ans if r else "") for sol, ans, r in zip(ds["solution"], ds["answer"], repeat, strict=True)
     ]
-    from datasets import Dataset
-
     return Dataset.from_dict({"prompt": list(ds["prompt"]), "completion": completions})
 
 
 def _run_warmup(base: str, out: str, *, seed: int, steps: int, recipe: WarmupRecipe) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
-    from trl import SFTConfig, SFTTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(base)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    phases = [(steps, recipe.learning_rate, "cosine", replace(recipe, run_on_fraction=0.0), 10_000 + seed)]
+    if recipe.habit_steps:
+        phases.append((recipe.habit_steps, recipe.habit_learning_rate, "constant", recipe, 20_000 + seed))
+    for phase_steps, lr, schedule, data_recipe, data_seed in phases:
+        model = _sft_phase(model, tokenizer, phase_steps, lr, schedule, data_recipe, data_seed, seed)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def _sft_phase(
+    model, tokenizer, steps: int, lr: float, schedule: str, recipe: WarmupRecipe, data_seed: int, seed: int
+):
+    """`steps` SFT steps of `WARMUP_BATCH_SIZE` rows of `warmup_dataset(..., recipe)`; returns the trained model."""
+    from transformers import PrinterCallback
+    from trl import SFTConfig, SFTTrainer
+
     with tempfile.TemporaryDirectory() as scratch, torch_threads(1), _quiet_datasets():
-        train = warmup_dataset(steps * WARMUP_BATCH_SIZE, seed=10_000 + seed, recipe=recipe)
+        train = warmup_dataset(steps * WARMUP_BATCH_SIZE, seed=data_seed, recipe=recipe)
         args = SFTConfig(
             output_dir=scratch,
             max_steps=steps,
             per_device_train_batch_size=WARMUP_BATCH_SIZE,
-            learning_rate=WARMUP_LEARNING_RATE,
-            lr_scheduler_type="cosine",
-            warmup_steps=max(1, steps // 20),
+            learning_rate=lr,
+            lr_scheduler_type=schedule,
+            warmup_steps=max(1, steps // 20) if schedule == "cosine" else 0,
             weight_decay=0.0,
-            max_length=64,
+            max_length=64 if recipe.task == "arithmetic" else 160,  # counting: up to 7 + 96 tokens
             logging_strategy="no",
             save_strategy="no",
             report_to="none",
@@ -125,11 +161,7 @@ def _run_warmup(base: str, out: str, *, seed: int, steps: int, recipe: WarmupRec
         trainer = SFTTrainer(model=model, args=args, train_dataset=train, processing_class=tokenizer)
         trainer.remove_callback(PrinterCallback)  # no metrics dict on stdout
         trainer.train()
-    model = trainer.model
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    return trainer.model
 
 
 def warmed_up_model_path(
@@ -222,12 +254,19 @@ def evaluate_accuracy(
     min_terms: int = 1,
     max_terms: int = DEFAULT_MAX_TERMS,
     max_new_tokens: int | None = None,
+    task: str = "arithmetic",
 ) -> float:
     """Fraction of `n` held-out problems (drawn with `seed`) solved; greedy unless `do_sample`.
 
     `max_new_tokens` defaults to `max_completion_tokens(max_terms)`, the training cap of the embedded recipes."""
-    max_new_tokens = max_completion_tokens(max_terms) if max_new_tokens is None else max_new_tokens
-    ds = arithmetic_dataset(n, seed=seed, min_terms=min_terms, max_terms=max_terms)
+    if task == "arithmetic":
+        max_new_tokens = max_completion_tokens(max_terms) if max_new_tokens is None else max_new_tokens
+        ds = arithmetic_dataset(n, seed=seed, min_terms=min_terms, max_terms=max_terms)
+        reward = arithmetic_reward
+    else:
+        spec = get_task(task)
+        max_new_tokens = spec.max_new_tokens if max_new_tokens is None else max_new_tokens
+        ds, reward = spec.dataset(n, seed=seed), spec.reward
     completions = sample_completions(
         model_path_or_model,
         list(ds["prompt"]),
@@ -237,5 +276,5 @@ def evaluate_accuracy(
         max_new_tokens=max_new_tokens,
         seed=seed,
     )
-    rewards = arithmetic_reward(completions, ds["answer"])
+    rewards = reward(completions, ds["answer"])
     return sum(rewards) / max(1, len(rewards))
