@@ -28,9 +28,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-METRICS_FILE = "cost_aware_metrics.jsonl"
-RUN_FILE = "cost_aware_run.json"
-RECORD_VERSION = 1
+from .record_names import BASELINE_ARM, COST_AWARE_ARM, METRICS_FILE, RECORD_VERSION, RUN_FILE  # noqa: F401
 
 TOKEN_AXIS = "cost_aware/policy_tokens"
 # transformers' WandbCallback renames every key that does not start with eval_/test_ to "train/<key>"; the trainer puts
@@ -38,9 +36,6 @@ TOKEN_AXIS = "cost_aware/policy_tokens"
 WANDB_TOKEN_AXIS = f"train/{TOKEN_AXIS}"
 # Charts drawn against policy tokens, as W&B keys (after transformers' rewrite). Globs end in "*" (W&B's only form).
 WANDB_TOKEN_AXIS_GLOBS = ("train/reward*", "train/rewards/*", "train/cost_aware/*", "eval/*")
-
-BASELINE_ARM = "baseline"
-COST_AWARE_ARM = "cost_aware"
 
 
 # ---------------------------------------------------------------------------------------------------- report_to checks

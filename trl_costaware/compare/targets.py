@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tracking import BASELINE_ARM, COST_AWARE_ARM
+from ..record_names import BASELINE_ARM, COST_AWARE_ARM
 from .curves import Curve, aggregate, first_crossing, raw_series, run_curve, smoothing_window
 from .noise import NoiseCheck, baseline_improvement
 from .readers import CompareError, RunHistory, canonical_key, canonical_x, default_arm
