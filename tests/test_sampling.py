@@ -1,4 +1,4 @@
-"""Property and Monte Carlo tests for the sampling core (`trl_costaware.sampling`, ALGORITHM.md §1–2)."""
+"""Property and Monte Carlo tests for the sampling core (`trl_costaware.sampling`, docs/algorithm.md §1–2)."""
 
 from __future__ import annotations
 
@@ -433,7 +433,7 @@ def test_j_formulas_match_brute_force(seed):
 
 
 def test_equal_gradients_inverse_cost_gives_no_gain():
-    """ALGORITHM.md §1: with equal G_i, p ∝ 1/c has J = J(u) exactly; p ∝ 1/√c is the optimum."""
+    """docs/algorithm.md §1: with equal G_i, p ∝ 1/c has J = J(u) exactly; p ∝ 1/√c is the optimum."""
     c = torch.tensor([1.0, 2.0, 5.0, 10.0], dtype=torch.float64)
     g = torch.ones(4, dtype=torch.float64)
     p_inv = sampling_distribution(sampling_scores(g, c, "inverse_cost"))

@@ -1,4 +1,4 @@
-"""Tests for static cost-aware subset selection (`trl_costaware.subset`, ALGORITHM.md §3)."""
+"""Tests for static cost-aware subset selection (`trl_costaware.subset`, docs/algorithm.md §3)."""
 
 from __future__ import annotations
 

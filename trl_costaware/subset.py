@@ -1,4 +1,4 @@
-"""Static cost-aware subset selection: trade a bounded bias for a lower sampling cost (ALGORITHM.md §3).
+"""Static cost-aware subset selection: trade a bounded bias for a lower sampling cost (docs/algorithm.md §3).
 
 Setting. F(x) = (1/n) Σ_i f_i(x), component i costs c_i > 0 per gradient query and ‖∇f_i‖ ≤ G_i. Cost-aware SGD
 with the optimal sampler p*_i ∝ G_i/√c_i needs a total cost proportional to J(p*) = (Σ_i G_i √c_i)² (see
