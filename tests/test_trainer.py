@@ -623,3 +623,42 @@ def test_unknown_loss_type_is_refused_at_construction(tmp_path, model_path, data
     args.cost_aware = False  # plain GRPO is TRL's business
     with pytest.raises(ValueError, match="Unknown loss type|token_sum_v2"):
         CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset).train()
+
+
+def test_multimodal_processor_is_refused_before_the_model_loads(tmp_path, dataset, monkeypatch):
+    """A library user's model path whose processor is multimodal is refused from the processor files alone, before
+    `GRPOTrainer.__init__` loads any weights (it used to be refused only after the model had loaded); so is a
+    multimodal processor passed in."""
+    import transformers
+    from transformers import ProcessorMixin
+    from trl.trainer import grpo_trainer
+
+    class VisionProcessor(ProcessorMixin):
+        pass
+
+    def load_weights(*args, **kwargs):
+        raise AssertionError("the model's weights were loaded")
+
+    monkeypatch.setattr(grpo_trainer, "create_model_from_path", load_weights)
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", lambda *a, **k: object.__new__(VisionProcessor))
+    args = make_args(tmp_path)
+    with pytest.raises(NotImplementedError, match="multimodal processor"):
+        CostAwareGRPOTrainer("some/vlm", [length_reward], args=args, train_dataset=dataset)
+    with pytest.raises(NotImplementedError, match="multimodal processor"):
+        CostAwareGRPOTrainer(
+            "some/vlm",
+            [length_reward],
+            args=args,
+            train_dataset=dataset,
+            processing_class=VisionProcessor.__new__(VisionProcessor),
+        )
+    args.cost_aware = False  # plain GRPO is TRL's business: it goes on to load the model
+    with pytest.raises(AssertionError, match="weights were loaded"):
+        CostAwareGRPOTrainer("some/vlm", [length_reward], args=args, train_dataset=dataset)
+
+
+def test_text_processor_loaded_as_trl_loads_it(tmp_path, model_path, dataset):
+    """For a model path the trainer loads the processor before the model, as TRL does (left padding and truncation)."""
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=make_args(tmp_path), train_dataset=dataset)
+    assert trainer.processing_class.padding_side == "left"
+    assert trainer.processing_class.truncation_side == "left"

@@ -4,47 +4,55 @@ Mohri, Globerson, Kaplan, Koren, Mansour, "Cost-Aware Learning", arXiv 2604.2802
 stated in docs/algorithm.md.
 
 The trainer overrides little and copies nothing from TRL but the reference-model branch of the deferred log-prob pass
-(`_compute_deferred_logps`, which mirrors TRL's: TRL has no helper for it): it calls `GRPOTrainer`'s methods and
-post-processes what they return. Per generation batch it gathers the rows' statistics on the host, calls
+(`deferred.py`, which mirrors TRL's: TRL has no helper for it): it calls `GRPOTrainer`'s methods and post-processes
+what they return. Per generation batch it gathers the rows' statistics on the host, calls
 `plan.plan_batch` once (the whole decision: eligibility, distribution, m, draw, weights, factors, metrics) and applies
 the plan. The math lives in `sampling.py`, `budget.py`, `proxy.py`; the batch layout in `batching.py`.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import ProcessorMixin
+from transformers import AutoProcessor, ProcessorMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
-from trl.models.utils import disable_gradient_checkpointing
-from trl.trainer.utils import use_adapter
 
 from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
 from .config import CostAwareGRPOConfig, resolve_cost_fn
+from .deferred import DEFERRED_KEYS, DeferredLogProbPasses
 from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .proxy import DEFAULT_GAMMA, row_factor
 from .sampling import sequence_costs, stream_generator
 from .tracking import attach_tracking, validate_report_to
-from .vllm_ratio import vllm_importance_sampling_ratio
 
 STATE_FILE = "cost_aware_state_rank{rank}.pt"
-# Entries of TRL's scored batch that the cost-aware trainer recomputes per kept micro-batch (placeholders until then).
-DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
-# TRL's vLLM metrics, computed from its old-policy pass (deferred here): replaced by their values over the kept rows.
-VLLM_METRICS = (
-    "sampling/sampling_logp_difference/mean",
-    "sampling/sampling_logp_difference/max",
-    "sampling/importance_sampling_ratio/min",
-    "sampling/importance_sampling_ratio/mean",
-    "sampling/importance_sampling_ratio/max",
+MULTIMODAL_REFUSAL = (
+    "cost_aware=True supports text-only models; this model has a multimodal processor whose image tensors are not "
+    "per-row. Set cost_aware=False to train it with plain GRPO."
 )
 
 
-class CostAwareGRPOTrainer(GRPOTrainer):
+def text_only_processing_class(model, processing_class, args):
+    """The processing class to hand `GRPOTrainer`, refusing a multimodal one before the model loads: the one given,
+    or, for a model named by path or hub id, its processor loaded as TRL would load it (`AutoProcessor`, left padding
+    and truncation), which reads no weights. For a model instance without one, TRL loads it and the trainer refuses
+    after `GRPOTrainer.__init__`."""
+    if processing_class is None and isinstance(model, str):
+        processing_class = AutoProcessor.from_pretrained(
+            model,
+            revision=(args.model_init_kwargs or {}).get("revision"),
+            truncation_side="left",
+            padding_side="left",
+            trust_remote_code=args.trust_remote_code,
+        )
+    if isinstance(processing_class, ProcessorMixin):
+        raise NotImplementedError(MULTIMODAL_REFUSAL)
+    return processing_class
+
+
+class CostAwareGRPOTrainer(DeferredLogProbPasses, GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
@@ -86,8 +94,9 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                 f"args must be a CostAwareGRPOConfig, got {type(args).__name__}. Replace GRPOConfig(...) with "
                 "CostAwareGRPOConfig(...): it accepts every GRPOConfig field."
             )
-        if args.cost_aware:
-            check_loss_type(args.loss_type)  # fail before the model loads
+        if args.cost_aware:  # fail before the model loads
+            check_loss_type(args.loss_type)
+            processing_class = text_only_processing_class(model, processing_class, args)
         validate_report_to(args)
         super().__init__(
             model,
@@ -106,11 +115,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             environment_factory=environment_factory,
         )
         attach_tracking(self)  # local metrics record; W&B group and token x-axis (before TRL's WandbCallback)
-        if args.cost_aware and isinstance(self.processing_class, ProcessorMixin):
-            raise NotImplementedError(
-                "cost_aware=True supports text-only models; this model has a multimodal processor whose image "
-                "tensors are not per-row. Set cost_aware=False to train it with plain GRPO."
-            )
+        if args.cost_aware and isinstance(self.processing_class, ProcessorMixin):  # a model instance: TRL loaded it
+            raise NotImplementedError(MULTIMODAL_REFUSAL)
         self._cost_fn = resolve_cost_fn(args.cost_aware_cost)
         seed = args.seed if args.cost_aware_seed is None else args.cost_aware_seed
         rank = self.accelerator.process_index
@@ -159,97 +165,6 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         # micro-batch's rows (and their lengths, on the host) are known without reading the device.
         batch["cost_aware_rows"] = list(range(len(kept)))
         return batch
-
-    @contextmanager
-    def _deferred_log_prob_passes(self):
-        """While TRL scores a generation batch, its no-grad log-prob passes (old policy, reference) return a NaN
-        placeholder instead of running: they run afterwards on the kept rows only (`_compute_deferred_logps`). With
-        the vLLM importance-sampling correction, TRL forms its ratio from the placeholder: NaN differences count as 0
-        there, so that ratio is 1 and cheap; it is dropped and formed again per kept micro-batch."""
-        saved = vars(self).get("_get_per_token_logps_and_entropies")
-
-        def placeholder(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-            nan = torch.full((), math.nan, device=input_ids.device)
-            return nan.expand(input_ids.size(0), logits_to_keep), None, None
-
-        self._get_per_token_logps_and_entropies = placeholder
-        try:
-            yield
-        finally:  # back to the class method, or to whatever instance attribute was there before
-            vars(self).pop("_get_per_token_logps_and_entropies", None)
-            if saved is not None:
-                self._get_per_token_logps_and_entropies = saved
-
-    @property
-    def _deferred_passes(self) -> tuple[bool, bool]:
-        """(old policy, reference): whether TRL's `_generate_and_score_completions` runs each pass, by TRL's own
-        conditions: the old-policy pass when gradient_accumulation_steps is not a multiple of
-        steps_per_generation × num_iterations, or under the vLLM importance-sampling correction; the reference pass
-        when beta != 0. Otherwise TRL's loss uses the policy pass's own detached log-probs (ratio exactly 1)."""
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
-        return self.args.gradient_accumulation_steps % generate_every != 0 or vllm_is, self.beta != 0.0
-
-    def _compute_deferred_logps(self, chunk):
-        """The old-policy / reference log-probs of one kept micro-batch, computed on the very tensors `_compute_loss`
-        feeds the policy pass (same rows, padding, width and batch), so that at the first micro-step the ratio is
-        exactly 1 in any precision; with vLLM's correction, its importance-sampling ratio from them.
-
-        The reference branch mirrors TRL's (`GRPOTrainer._generate_and_score_completions`, which has no helper for it):
-        the reference model when there is one, else the PEFT model with adapters disabled, or with the adapter "ref"
-        when TRL loaded an initial copy under that name."""
-        has_old, has_ref = self._deferred_passes
-        if not (has_old or has_ref):
-            return
-        ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)
-        mask = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)
-        width = chunk["completion_ids"].size(1)
-        with torch.no_grad(), disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
-            if has_old:
-                chunk["old_per_token_logps"] = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]
-            if has_ref:
-                if self.ref_model is not None:
-                    ref_model, context = self.ref_model, nullcontext()
-                else:
-                    unwrapped = self.accelerator.unwrap_model(self.model)
-                    ref_model = self.model
-                    context = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
-                with context:
-                    chunk["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
-                        ref_model, ids, mask, width
-                    )[0]
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            chunk["importance_sampling_ratio"] = vllm_importance_sampling_ratio(
-                chunk["old_per_token_logps"],
-                chunk["sampling_per_token_logps"],
-                self._loss_mask(chunk),
-                mode=self.vllm_importance_sampling_mode,
-                clip_min=self.vllm_importance_sampling_clip_min,
-                clip_max=self.vllm_importance_sampling_clip_max,
-            )
-
-    def _vllm_ratio_stats(self, chunk) -> torch.Tensor:
-        """On the chunk's device, no transfer: [Σ|Δ|, count, max |Δ|, min r, Σ r, count r, max r] over the loss tokens
-        (Δ = old − sampling log-prob, NaN excluded; r per token, or per row for the sequence modes), as TRL logs them
-        over the full batch."""
-        mask = self._loss_mask(chunk).bool()
-        delta = (chunk["old_per_token_logps"] - chunk["sampling_per_token_logps"]).abs()
-        valid = mask & ~torch.isnan(delta)
-        ratio = chunk["importance_sampling_ratio"]
-        on = valid.new_ones(ratio.shape) if self.vllm_importance_sampling_mode.startswith("sequence") else mask
-        zero = delta.new_zeros(())
-        inf = delta.new_full((), math.inf)
-        return torch.stack(
-            [
-                torch.where(valid, delta, zero).sum(),
-                valid.sum().to(delta.dtype),
-                torch.where(valid, delta, -inf).amax(),
-                torch.where(on, ratio, inf).amin(),
-                torch.where(on, ratio, zero).sum(),
-                on.sum().to(delta.dtype),
-                torch.where(on, ratio, -inf).amax(),
-            ]
-        )
 
     def _row_costs(self, batch) -> torch.Tensor:
         if self._cost_fn is not None:
@@ -421,41 +336,6 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         else:
             for key, value in self._sum_over_ranks(local, device).items():
                 self._cost_aware_totals[key] += value
-
-    def _log_vllm_ratio(self, chunks, local, device):
-        """TRL's five vLLM metrics over the kept rows of all ranks (their latest values, appended by TRL from the
-        placeholder, are replaced), with the buffer's counters: one gather (several processes) and one host copy."""
-        stats = torch.stack([self._vllm_ratio_stats(c) for c in chunks]).double()  # (micro-batches, 7)
-        reduced = torch.stack(
-            [
-                stats[:, 0].sum(),
-                stats[:, 1].sum(),
-                stats[:, 2].max(),
-                stats[:, 3].min(),
-                stats[:, 4].sum(),
-                stats[:, 5].sum(),
-                stats[:, 6].max(),
-            ]
-        )
-        counters = torch.tensor(list(local.values()), dtype=torch.float64, device=reduced.device)
-        per_rank = torch.cat([reduced, counters]).unsqueeze(0)
-        if self.accelerator.num_processes > 1:
-            per_rank = self.accelerator.gather(per_rank.to(device))
-        r = per_rank.cpu()
-        sums = r.sum(0).tolist()
-        d_sum, d_n, r_sum, r_n = sums[0], sums[1], sums[4], sums[5]
-        d_max, r_min, r_max = float(r[:, 2].max()), float(r[:, 3].min()), float(r[:, 6].max())
-        values = (d_sum / d_n if d_n else 0.0, d_max if d_n else 0.0) + (
-            (r_min, r_sum / r_n, r_max) if r_n else (0.0, 0.0, 0.0)
-        )
-        metrics = self._metrics["train"]
-        for key, value in zip(VLLM_METRICS, values, strict=True):
-            if metrics[key]:
-                metrics[key][-1] = value
-            else:
-                metrics[key].append(value)
-        for key, value in zip(local, sums[7:], strict=True):
-            self._cost_aware_totals[key] += value
 
     def _compute_loss(self, model, inputs):
         scale = self._buffer_kl_scale
