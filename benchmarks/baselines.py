@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from trl_costaware import CostAwareGRPOTrainer
-
-TOKEN_SUM_LOSSES = ("dapo", "cispo", "vespo")  # normalised by the generation batch's tokens (num_items_in_batch)
+from trl_costaware.plan import LOSS_NORMALISERS
 
 
 # ==================================================================================================== pure rules
@@ -88,9 +87,10 @@ class _RowRuleTrainer(CostAwareGRPOTrainer):
         )
 
     def _full_over_kept_tokens(self, batch, kept: torch.Tensor) -> float:
-        """T_full / T_kept for a token-sum loss (it divides by the full batch's tokens), else 1: makes the loss a
-        mean over the kept tokens, as plain GRPO on the kept rows would be."""
-        if self.loss_type not in TOKEN_SUM_LOSSES:
+        """T_full / T_kept for a token-sum loss (it divides by the full batch's tokens, `num_items_in_batch`: the
+        loss types whose `plan.LOSS_NORMALISERS` entry has `batch_tokens`), else 1: makes the loss a mean over the
+        kept tokens, as plain GRPO on the kept rows would be."""
+        if not LOSS_NORMALISERS[self.loss_type].batch_tokens:
             return 1.0
         tokens = self._loss_mask(batch).sum(-1).float().cpu()
         return float(tokens.sum() / tokens[kept].sum().clamp(min=1))
