@@ -75,7 +75,7 @@ ARMS: dict[str, dict] = {
 }
 # Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
 TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
-    "long": {"grpo_half": {"per_device_train_batch_size": 16}},  # 16 prompts x 8 = 128 rollouts per step
+    "long": {"grpo_half": {"per_device_train_batch_size": 8}},  # 8 prompts x 8 = 64 rollouts per step
 }
 
 

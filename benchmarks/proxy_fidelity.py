@@ -3,9 +3,11 @@
     python benchmarks/proxy_fidelity.py --quick     # dapo only, 10 GRPO steps, 1 generation batch of 256 rows
     python benchmarks/proxy_fidelity.py             # dapo, grpo, dr_grpo: 40 GRPO steps each, 3 batches each
     python benchmarks/proxy_fidelity.py --task testbed --mid-steps 25   # the same on the learning testbed
+    python benchmarks/proxy_fidelity.py --task long --mid-steps 20 --loss-types dapo grpo   # on the long testbed
 
 `--task old` (default) is the original embedded task (sums of 1-6 digits, 16 x 16 rollouts at lr 1e-4, pinned here);
-`--task testbed` uses the recipe, data and warm-up of `trl_costaware.embedded.testbed`.
+`--task testbed` uses the recipe, data and warm-up of `trl_costaware.embedded.testbed`; `--task long` those of its
+long testbed (counting; one generation batch of 256 rollouts per step, held in one micro-batch here).
 
 For each loss type, GRPO (the benchmark recipe with that loss type, beta=0) trains the warmed-up tiny model for
 `--mid-steps` steps; then, for each of `--batches` fresh generation batches (of the task's size), every row's own
@@ -58,7 +60,7 @@ OLD_TASK_SETTINGS = dict(
     warmup_steps=0,
 )
 GAMMAS = (0.5, 0.75, 1.0)
-TASKS = ("old", "testbed")
+TASKS = ("old", "testbed", "long")
 
 
 def task_setup(task: str) -> tuple[dict, dict, str]:
@@ -78,6 +80,13 @@ def task_setup(task: str) -> tuple[dict, dict, str]:
         from trl_costaware.embedded.testbed import GRPO_RECIPE
 
         return {**GRPO_RECIPE, "warmup_steps": 0, "disable_tqdm": True}, {}, warmed_up_model_path()
+    if task == "long":
+        from trl_costaware.embedded.testbed import LONG_RECIPE
+
+        rows = LONG_RECIPE["per_device_train_batch_size"] * LONG_RECIPE["steps_per_generation"]
+        one_batch = {"per_device_train_batch_size": rows, "gradient_accumulation_steps": 1, "steps_per_generation": 1}
+        settings = {**LONG_RECIPE, **one_batch, "warmup_steps": 0, "disable_tqdm": True}
+        return settings, {}, warmed_up_model_path(recipe="long")
     raise ValueError(f"task must be one of {TASKS}, got {task!r}")
 
 
@@ -150,10 +159,13 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware.batching import select_rows
     from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward
+    from trl_costaware.embedded.tasks import get_task
     from trl_costaware.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution, sequence_costs
 
     torch.manual_seed(args.seed)
     settings, data_kwargs, model_path = task_setup(args.task)
+    if args.task == "long":
+        arithmetic_dataset, arithmetic_reward = get_task("counting").dataset, get_task("counting").reward
     s = {**settings, "loss_type": loss_type}
     prompts_per_step = s["per_device_train_batch_size"] // s["num_generations"]
     config = CostAwareGRPOConfig(
@@ -389,7 +401,9 @@ def main(argv=None):
     p.add_argument("--mid-steps", type=int, default=None, help="GRPO steps before measuring (default 40; quick 10)")
     p.add_argument("--batches", type=int, default=None, help="generation batches measured (default 3; quick 1)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--task", choices=TASKS, default="old", help="old embedded task (default) or the testbed")
+    p.add_argument(
+        "--task", choices=TASKS, default="old", help="old embedded task (default), the testbed, or the long testbed"
+    )
     p.add_argument("--tag", default=None, help="results file suffix (default: quick or full)")
     p.add_argument("--out", default=None)
     p.add_argument("--replot", action="store_true", help="rewrite the .md/.png from the saved .json/.csv")

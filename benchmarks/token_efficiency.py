@@ -437,7 +437,7 @@ def plot_curves(runs: dict[str, dict[int, dict]], arms, path: str, title: str, t
     return path
 
 
-ROLLOUTS_PER_STEP = {"default": "64 × 16", "long": "32 × 8"}
+ROLLOUTS_PER_STEP = {"default": "64 × 16", "long": "16 × 8"}
 
 
 def write_results(root: str, steps: int, tag: str, command: str, testbed: str = "default") -> dict:
@@ -485,6 +485,7 @@ def main(argv=None):
     p.add_argument("--analyze-only", action="store_true")
     p.add_argument("--testbed", default="default", choices=("default", "long"), help="embedded testbed")
     p.add_argument("--arms", default=None, help="comma-separated arms to run (default: all of the testbed's)")
+    p.add_argument("--shard", default="0/1", help="i/n: run every n-th run from the i-th (one process per core)")
     args = p.parse_args(argv)
     from trl_costaware.embedded.testbed import get_testbed
 
@@ -503,6 +504,8 @@ def main(argv=None):
         if args.arms:
             wanted = set(args.arms.split(","))
             order = [(a, s) for a, s in order if a in wanted]
+        shard, shards = (int(x) for x in args.shard.split("/"))
+        order = order[shard::shards]
         t0 = time.perf_counter()
         for i, (arm, seed) in enumerate(order):
             r = common.run_arm(arm, seed, root, steps=steps, eval_every=args.eval_every, testbed=args.testbed)

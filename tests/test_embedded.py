@@ -400,7 +400,7 @@ def test_testbed_registry_and_recipes_construct():
     assert long.task.name == "counting" and long.reward.__name__ == "counting_reward"
     assert get_testbed("default").task.name == "arithmetic"
     rows = LONG_RECIPE["per_device_train_batch_size"] * LONG_RECIPE["steps_per_generation"]
-    assert rows == 256 and rows % LONG_RECIPE["num_generations"] == 0
+    assert rows == 128 and rows % LONG_RECIPE["num_generations"] == 0
     for name, bed in TESTBEDS.items():
         config = CostAwareGRPOConfig(output_dir=f"/tmp/unused-{name}", cost_aware=True, **bed.recipe)
         assert config.max_completion_length == bed.task.max_new_tokens
