@@ -45,74 +45,20 @@ def extra_arms(runs: dict) -> list[str]:
     return sorted(a for a in runs if a.startswith("auto_") or a.endswith("_la"))
 
 
-def trainer_supports_auto() -> bool:
-    from trl_costaware import CostAwareGRPOConfig
-
-    return "cost_aware_budget_delta" in CostAwareGRPOConfig.__dataclass_fields__
-
-
-def auto_budget_trainer(delta: float):
-    """A `CostAwareGRPOTrainer` whose m per generation batch comes from the δ rule (for trainers that do not have
-    `cost_aware_kept_fraction="auto"` yet; single process): it overrides the trainer's `_kept_count(p, rows, eligible,
-    device)` hook, so the budget sees the very distribution p the draw uses, and keeps the trainer's cap at the
-    eligible rows. Logs the predicted inflation per batch as `cost_aware/budget_inflation`."""
-    from trl_costaware import CostAwareGRPOTrainer
-    from trl_costaware.budget import smallest_budget, variance_inflation
-    from trl_costaware.sampling import capped_kept_count, gradient_proxy
-
-    class AutoBudgetTrainer(CostAwareGRPOTrainer):
-        def _kept_count(self, p, rows, eligible, device) -> int:
-            spg = self.args.steps_per_generation
-            g = gradient_proxy(rows["advantages"])
-            m, _ = smallest_budget(g, p, delta, spg, self.args.cost_aware_draw)
-            m = capped_kept_count(m, int(eligible.sum()), spg)
-            self._metrics["train"]["cost_aware/budget_inflation"].append(
-                variance_inflation(g, p, m, self.args.cost_aware_draw)
-            )
-            return m
-
-    return AutoBudgetTrainer
-
-
 def run_auto(
     delta: float, seed: int, root: str, steps: int, normalization: str = "none", proxy: str = "advantage"
 ) -> dict:
-    """One auto-budget run: the trainer's own `cost_aware_kept_fraction="auto"` when it has it, else the
-    `_kept_count` subclass (the same rule on the same distribution: identical kept counts, checked on 3 steps). A
-    finished run of either kind is reused."""
+    """One auto-budget run: the trainer's own `cost_aware_kept_fraction="auto"` with `cost_aware_budget_delta`; a
+    finished run is reused."""
     name = auto_arm_name(delta, normalization, proxy)
     settings = {"cost_aware_weight_normalization": normalization}
     if proxy != "advantage":
         settings["cost_aware_proxy"] = proxy
-    out = os.path.join(root, f"{name}__s{seed}")
-    path = os.path.join(out, "run_result.json")
-    spec = {"trainer": "auto_budget_subclass", "delta": delta, "settings": settings}
     native = {
         "trainer": "cost_aware",
         "settings": {**settings, "cost_aware_kept_fraction": "auto", "cost_aware_budget_delta": delta},
     }
-    if os.path.exists(path):
-        with open(path, encoding="utf-8") as fh:
-            cached = json.load(fh)
-        if cached.get("spec") in (spec, native) and cached.get("steps") == steps:
-            return cached
-    if trainer_supports_auto():
-        return common.run_arm(native, seed, root, name=name, steps=steps)
-    from trl_costaware.embedded.testbed import train_run
-
-    result = train_run(
-        seed=seed,
-        output_dir=out,
-        steps=steps,
-        settings={**settings, "cost_aware": True},
-        trainer_cls=auto_budget_trainer(delta),
-        run_group=f"testbed-{name}",
-    )
-    result.update(arm=name, spec=spec)
-    with open(path + ".tmp", "w", encoding="utf-8") as fh:
-        json.dump(result, fh)
-    os.replace(path + ".tmp", path)
-    return result
+    return common.run_arm(native, seed, root, name=name, steps=steps)
 
 
 def step_series(run_dir: str) -> dict[str, list[float]]:

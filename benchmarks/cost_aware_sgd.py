@@ -1,4 +1,5 @@
-"""Cost-Aware SGD on a synthetic convex finite sum (docs/algorithm.md §1): measured total cost against the theory's J ratio.
+"""Cost-Aware SGD on a synthetic convex finite sum (docs/algorithm.md §1): measured total cost against the theory's
+J ratio.
 
 Problem (one instance per seed). Weighted least absolute deviations, a convex finite sum whose components are
 Lipschitz with known constants, so that the theory's G_i are exact gradient norms, not loose bounds:
