@@ -12,7 +12,10 @@ exactly as for the cost-aware draw, so every arm is counted (policy tokens, wall
   every group, the m rows whose rewards have the largest variance, recompute the group advantages on the kept rows,
   and train on them as plain GRPO (no importance weights; the loss is a mean over the kept tokens).
 
-Single process only (the benchmark's setting); a multi-rank run is refused at construction.
+Single process only (the benchmark's setting); a multi-rank run is refused at construction. With
+`steps_per_generation` > 1 the kept rows are split into that many micro-batches, so their count must be a multiple
+of it: the filter pads with the cheapest zero-advantage rows (no gradient, so still exact), PODS keeps m rows of every
+group and refuses a layout where that count is not a multiple.
 """
 
 from __future__ import annotations
@@ -24,12 +27,20 @@ from trl_costaware.plan import LOSS_NORMALISERS
 
 
 # ==================================================================================================== pure rules
-def zero_advantage_filter(advantages: torch.Tensor) -> torch.Tensor:
-    """Indices of the rows with A_i ≠ 0, in order:  K = {i : A_i ≠ 0}.
-
-    When K is empty, row 0 alone (its advantage is 0, so it adds no gradient; the trainer needs one row)."""
+def zero_advantage_filter(
+    advantages: torch.Tensor, multiple_of: int = 1, costs: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Indices of the rows with A_i ≠ 0, in order:  K = {i : A_i ≠ 0}, padded to a multiple of `multiple_of` rows
+    with the cheapest rows of A_i = 0 (by `costs`, else the first ones): they add no gradient (β = 0), so the update
+    is unchanged. When K is empty, `multiple_of` rows of A = 0 (the trainer needs at least one row per micro-batch)."""
     keep = (advantages != 0).nonzero().flatten()
-    return keep if len(keep) else torch.zeros(1, dtype=torch.long)
+    pad = (-len(keep)) % multiple_of if len(keep) else multiple_of
+    if pad:
+        zero = (advantages == 0).nonzero().flatten()
+        if costs is not None:
+            zero = zero[torch.sort(costs[zero].double(), stable=True).indices]
+        keep = torch.sort(torch.cat([keep, zero[:pad]])).values
+    return keep
 
 
 def max_variance_subset(rewards: torch.Tensor, m: int) -> torch.Tensor:
@@ -71,8 +82,6 @@ class _RowRuleTrainer(CostAwareGRPOTrainer):
             )
         if self.accelerator.num_processes != 1:
             raise ValueError(f"{type(self).__name__} is a single-process benchmark baseline")
-        if self.args.steps_per_generation != 1:
-            raise ValueError(f"{type(self).__name__} needs steps_per_generation=1 (a variable number of kept rows)")
 
     def _bookkeeping(self, batch, kept: torch.Tensor) -> None:
         rows = self._host_row_stats(batch)
@@ -106,7 +115,8 @@ class ZeroAdvantageFilterTrainer(_RowRuleTrainer):
 
     def _draw_kept_rows(self, batch):
         advantages = batch["advantages"].detach().float().cpu()
-        kept = zero_advantage_filter(advantages)
+        costs = self._host_row_stats(batch)["rollout_lengths"]
+        kept = zero_advantage_filter(advantages, self.args.steps_per_generation, costs)
         self._bookkeeping(batch, kept)
         return kept, torch.ones(len(kept))
 
@@ -133,6 +143,12 @@ class MaxVarianceTrainer(_RowRuleTrainer):
             )
             kept.append(idx + start)
         kept = torch.cat(kept)
+        spg = self.args.steps_per_generation
+        if len(kept) % spg:
+            raise ValueError(
+                f"PODS keeps {m} rows of each of {len(advantages) // g} groups = {len(kept)} rows, not a multiple of "
+                f"steps_per_generation={spg}: choose cost_aware_kept_fraction or the batch so that it is"
+            )
         factors = torch.cat(factors).float() * self._full_over_kept_tokens(batch, kept)
         self._bookkeeping(batch, kept)
         return kept, factors

@@ -23,6 +23,12 @@ def test_zero_advantage_filter():
     a = torch.tensor([0.0, 1.2, -0.5, 0.0, 3.0])
     assert zero_advantage_filter(a).tolist() == [1, 2, 4]
     assert zero_advantage_filter(torch.zeros(4)).tolist() == [0]  # nothing informative: one row, no gradient
+    # steps_per_generation = 4: padded to 4 rows with the cheapest zero-advantage row (no gradient, still exact)
+    costs = torch.tensor([9.0, 5.0, 5.0, 2.0, 7.0])
+    assert zero_advantage_filter(a, 4, costs).tolist() == [1, 2, 3, 4]
+    assert zero_advantage_filter(a, 4).tolist() == [0, 1, 2, 4]
+    assert zero_advantage_filter(torch.zeros(8), 4, torch.arange(8.0, 0, -1)).tolist() == [4, 5, 6, 7]
+    assert zero_advantage_filter(torch.tensor([1.0, -1.0, 0.0, 0.0]), 2).tolist() == [0, 1]
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -86,15 +92,23 @@ def _trainer(cls, tmp_path, name, tiny_model_path, **overrides):
     return cls(tiny_model_path, [parity_reward], args=args, train_dataset=arithmetic_dataset(64, seed=0))
 
 
+LAYOUTS = {
+    "one_micro_batch": {},
+    "spg2_ga2": {"per_device_train_batch_size": 16, "gradient_accumulation_steps": 2, "steps_per_generation": 2},
+}
+
+
 @pytest.mark.slow
-def test_zero_advantage_filter_is_exactly_grpo(tmp_path, tiny_model_path):
-    """Same seed, same rollouts: the filter's update equals GRPO's (plain SGD, so the update is the gradient)."""
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zero_advantage_filter_is_exactly_grpo(tmp_path, tiny_model_path, layout):
+    """Same seed, same rollouts: the filter's update equals GRPO's (plain SGD, so the update is the gradient), with
+    one micro-batch per generation batch and with two (the kept rows padded to a multiple of 2)."""
     from transformers import AutoModelForCausalLM
 
     from trl_costaware import CostAwareGRPOTrainer
 
     start = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
-    sgd = {"optim": "sgd", "learning_rate": 1.0, "max_grad_norm": 0.0}
+    sgd = {"optim": "sgd", "learning_rate": 1.0, "max_grad_norm": 0.0, **LAYOUTS[layout]}
     grpo = _trainer(CostAwareGRPOTrainer, tmp_path, "grpo", tiny_model_path, cost_aware=False, **sgd)
     grpo.train()
     filt = _trainer(ZeroAdvantageFilterTrainer, tmp_path, "filter", tiny_model_path, cost_aware=True, **sgd)
@@ -111,9 +125,16 @@ def test_zero_advantage_filter_is_exactly_grpo(tmp_path, tiny_model_path):
 
 
 @pytest.mark.slow
-def test_max_variance_trainer_keeps_half_of_each_group(tmp_path, tiny_model_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_max_variance_trainer_keeps_half_of_each_group(tmp_path, tiny_model_path, layout):
     trainer = _trainer(
-        MaxVarianceTrainer, tmp_path, "pods", tiny_model_path, cost_aware=True, cost_aware_kept_fraction=0.5
+        MaxVarianceTrainer,
+        tmp_path,
+        "pods",
+        tiny_model_path,
+        cost_aware=True,
+        cost_aware_kept_fraction=0.5,
+        **LAYOUTS[layout],
     )
     trainer.train()
     totals = trainer._cost_aware_totals
