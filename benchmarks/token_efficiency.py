@@ -229,6 +229,7 @@ PAIRS += [("cost_aware_0.5_recenter", "uniform_0.5_recenter"), ("cost_aware_0.5_
 PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_auto", "cost_aware_0.5_loss_aware")]
 PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_0.5_group_by_length", "cost_aware_0.5_full_micro")]
 PAIRS += [("cost_aware_auto_recenter", "cost_aware_0.5_recenter"), ("uniform_0.25", "uniform_0.5")]
+PAIRS += [("cost_aware_0.5_recenter", "cost_aware_0.5")]  # an option against its default (defaults_check.py)
 THEORY_KEYS = ("j_ratio_ideal", "j_ratio_achieved", "kept_token_fraction", "informative_fraction")
 
 
