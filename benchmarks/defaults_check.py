@@ -80,7 +80,8 @@ def main(argv=None) -> dict:
     lines = [
         "`python benchmarks/defaults_check.py`",
         "",
-        "Each default against its alternative, paired seeds; ratio = alternative / default policy tokens to the target,"
+        "Each default against its alternative, paired seeds; ratio = alternative / default policy tokens to the "
+        "target,"
         " Δ = alternative − default end accuracy at equal steps (mean [bootstrap 95% CI]).",
         "",
         "| option | testbed | seeds | policy tokens to target, ratio | Δ end acc. | verdict |",
