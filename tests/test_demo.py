@@ -62,3 +62,40 @@ def test_demo_summary_of_a_tiny_run(tmp_path, tiny_model_path):
     assert (out / "heldout_accuracy.png").stat().st_size > 1000
     text = demo.format_summary(summary)
     assert "No tokens-to-target claim" in text and "no target" in text
+
+
+@pytest.mark.slow
+def test_demo_on_the_long_testbed_records_phases_and_padding(tmp_path, tiny_model_path):
+    """`make demo-long`'s code path on a tiny run: the long recipe's 8 micro-batches per generation batch (here 2 of
+    8 rows), the counting task and its cap, the phase timers and padded-token counters the benchmarks read."""
+    from trl_costaware.embedded.testbed import train_run
+
+    out = tmp_path / "demo-long"
+    small = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_generation": 2}
+    summary = demo.run_demo(
+        steps=1,
+        seed=0,
+        output_dir=str(out),
+        eval_every=1,
+        eval_n=8,
+        settings={**small, "num_generations": 4, "max_completion_length": 16},
+        progress=False,
+        model_path=tiny_model_path,
+        testbed="long",
+    )
+    assert summary["testbed"] == "long" and "long testbed" in demo.format_summary(summary)
+    run = train_run(
+        seed=0,
+        output_dir=str(tmp_path / "run"),
+        steps=1,
+        settings={**small, "num_generations": 4, "max_completion_length": 16, "cost_aware": True},
+        eval_every=1,
+        eval_n=8,
+        model_path=tiny_model_path,
+        testbed="long",
+    )
+    assert run["testbed"] == "long"
+    assert run["phase_s"]["training_step"] > run["phase_s"]["generate_and_score"] > 0
+    assert run["totals"]["policy_tokens_padded"] >= run["totals"]["policy_tokens"] > 0
+    assert 0 < run["batch_metrics"]["kept_row_fraction"] <= 0.5 + 1e-9
+    assert 0 < run["batch_metrics"]["j_ratio_ideal"] <= run["batch_metrics"]["j_ratio_achieved"] + 1e-9
