@@ -63,6 +63,40 @@ def _ci(t, fmt) -> str:
     return fmt.format(mean) if lo is None else f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
+HEADLINE_ARMS = ("cost_aware_0.5", "cost_aware_0.5_recenter", "uniform_0.5", "pods_0.5", "cost_aware_auto")
+HEADLINE_PAIRS = (
+    ("cost_aware_0.5", "uniform_0.5"),
+    ("cost_aware_0.5", "pods_0.5"),
+    ("cost_aware_0.5_recenter", "uniform_0.5_recenter"),
+    ("cost_aware_0.5_recenter", "pods_0.5"),
+)
+
+
+def headline(results: dict[str, dict]) -> list[str]:
+    """The README's table: per testbed GRPO's gain, each arm's policy tokens to the target / GRPO's, and what the row
+    choice adds over uniform subsampling and PODS (paired ratios of policy tokens to the target)."""
+    lines = [
+        "| testbed | GRPO gain (10 seeds) | "
+        + " | ".join(f"{a} / GRPO" for a in HEADLINE_ARMS)
+        + " | "
+        + " | ".join(f"{a} / {b}" for a, b in HEADLINE_PAIRS)
+        + " |",
+        "|---|---|" + "---|" * (len(HEADLINE_ARMS) + len(HEADLINE_PAIRS)),
+    ]
+    for bed, res in results.items():
+        gain = res["grpo_improvement"]
+        cells = [_ci((gain["mean"], *gain["ci95"]), "{:+.3f}")]
+        for arm in HEADLINE_ARMS:
+            a = (res.get("arms") or {}).get(arm)
+            r = a["ratio_vs_grpo"]["policy_tokens"] if a else None
+            cells.append(f"{_ci(r['ci'], '{:.2f}')} ({a['n']})" if r else "not run")
+        for x, y in HEADLINE_PAIRS:
+            v = (res.get("cost_aware_vs") or {}).get(f"{x} vs {y}")
+            cells.append(f"{_ci(v['ratio_policy_tokens']['ci'], '{:.2f}')} ({len(v['seeds'])})" if v else "not run")
+        lines.append(f"| {bed} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--results", default=common.RESULTS)
@@ -96,6 +130,7 @@ def main(argv=None) -> dict:
                 f"| {opt} | {bed} | {v['seeds']} | {_ci(v['ratio'], '{:.2f}')} (n={v['n_ratio']}) | "
                 f"{_ci(v['delta_end'], '{:+.3f}')} | {v['status']} |"
             )
+    lines += ["", *headline(results)]
     text = "\n".join(lines)
     with open(os.path.join(args.results, "defaults_check.md"), "w", encoding="utf-8") as fh:
         fh.write(text + "\n")
