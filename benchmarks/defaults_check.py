@@ -40,7 +40,7 @@ def verdict(entry: dict | None) -> dict:
     if entry is None:
         return {"status": "not run"}
     r, rlo, rhi = entry["ratio_policy_tokens"]["ci"]
-    d, dlo, dhi = entry["end_difference_equal_steps"]["ci"]
+    d, dlo, dhi = entry["end_difference_equal_steps"]
     if (rhi is not None and rhi < 1) or (dlo is not None and dlo > 0):
         status = "alternative better"
     elif (rlo is not None and rlo > 1) or (dhi is not None and dhi < 0):
