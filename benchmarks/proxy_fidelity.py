@@ -64,7 +64,7 @@ TASKS = ("old", "testbed", "long")
 
 
 def task_setup(task: str) -> tuple[dict, dict, str]:
-    """(GRPO settings, `arithmetic_dataset` keyword arguments, warmed-up model path) of a task.
+    """(GRPO settings, dataset keyword arguments, warmed-up model path) of a task.
 
     "old": the original embedded task (1-6 terms, the 500-step clean SFT warm-up, 16 x 16 rollouts at lr 1e-4);
     "testbed": the learning testbed of `trl_costaware.embedded.testbed` (its recipe, data and warm-up defaults)."""
@@ -158,14 +158,12 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware.batching import select_rows
-    from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward
     from trl_costaware.embedded.tasks import get_task
     from trl_costaware.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution, sequence_costs
 
     torch.manual_seed(args.seed)
     settings, data_kwargs, model_path = task_setup(args.task)
-    if args.task == "long":
-        arithmetic_dataset, arithmetic_reward = get_task("counting").dataset, get_task("counting").reward
+    task = get_task("counting" if args.task == "long" else "arithmetic")
     s = {**settings, "loss_type": loss_type}
     prompts_per_step = s["per_device_train_batch_size"] // s["num_generations"]
     config = CostAwareGRPOConfig(
@@ -175,8 +173,8 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
         cost_aware=False,
         **s,
     )
-    dataset = arithmetic_dataset(max(args.mid_steps, 1) * prompts_per_step + 64, seed=args.seed, **data_kwargs)
-    trainer = CostAwareGRPOTrainer(model_path, [arithmetic_reward], args=config, train_dataset=dataset)
+    dataset = task.dataset(max(args.mid_steps, 1) * prompts_per_step + 64, seed=args.seed, **data_kwargs)
+    trainer = CostAwareGRPOTrainer(model_path, [task.reward], args=config, train_dataset=dataset)
     t0 = time.perf_counter()
     if args.mid_steps > 0:
         trainer.train()
@@ -186,7 +184,7 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
     if not hasattr(trainer, "current_gradient_accumulation_steps"):  # set by Trainer.train(); needed by the losses
         trainer.current_gradient_accumulation_steps = s.get("gradient_accumulation_steps", 1)
     params = [p for p in model.parameters() if p.requires_grad]
-    held = arithmetic_dataset(args.batches * prompts_per_step, seed=10_000 + args.seed, **data_kwargs)
+    held = task.dataset(args.batches * prompts_per_step, seed=10_000 + args.seed, **data_kwargs)
     rows, batches = [], []
     for b in range(args.batches):
         prompts = [held[i] for i in range(b * prompts_per_step, (b + 1) * prompts_per_step)]
