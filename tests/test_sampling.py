@@ -556,3 +556,12 @@ def test_capped_kept_count():
     assert sampling.capped_kept_count(8, 5, 1) == 5
     assert sampling.capped_kept_count(8, 1, 2) == 2
     assert sampling.capped_kept_count(8, 0, 4) == 4
+
+
+def test_inclusion_probabilities_are_exactly_one_when_every_row_is_needed():
+    # m·p_i rounds to 0.999… for p uniform over 6 rows in float64: those rows must still be kept for sure (π = 1
+    # exactly), else a systematic draw could, in principle, miss one (found by hypothesis in a fresh clone).
+    for n in range(1, 40):
+        p = torch.full((n,), 1.0 / n, dtype=torch.float64)
+        assert (inclusion_probabilities(p, n) == 1).all()
+        assert (inclusion_probabilities(p, n, torch.zeros(n)) == 1).all()

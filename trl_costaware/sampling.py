@@ -191,7 +191,7 @@ def inclusion_probabilities(p: torch.Tensor, m: int, filler: torch.Tensor | None
             pi[free] = left * fill[free] / fill[free].sum()
         else:
             pi[free] = left / int(free.sum())
-        over = free & (pi >= 1.0)
+        over = free & (pi >= 1.0 - 1e-12)  # within rounding of 1 (e.g. m·(1/m) = 0.999…): kept for sure, exactly 1
         if not over.any():
             break
         capped |= over
