@@ -1,17 +1,24 @@
-"""Benchmark 3: policy-optimisation tokens (and wall time) to reach a fixed held-out target, on the embedded testbed.
+"""Benchmark 3 (and §5): policy-optimisation tokens (and wall time) to reach a fixed held-out target, on an embedded
+testbed.
 
-    python benchmarks/token_efficiency.py                  # 10 seeds of GRPO and Cost-Aware 0.5, 5 of the others
+    python benchmarks/token_efficiency.py                  # default testbed: 10 seeds of GRPO, Cost-Aware 0.5 and
+                                                           # uniform 0.5, 5 of the others
+    python benchmarks/token_efficiency.py --testbed long   # the long testbed (adds full micro-batches as an arm)
+    python benchmarks/token_efficiency.py --shard 0/2      # every 2nd run from the 1st: one process per core
     python benchmarks/token_efficiency.py --quick          # 2 seeds of GRPO and Cost-Aware 0.5, 30 steps
     python benchmarks/token_efficiency.py --analyze-only   # re-read the runs already in --out
 
-One process, the arms of a seed one after the other (so their wall times are measured side by side), seed-major so
-that a partial run is usable: every run's result is checkpointed (`outputs/bench/token_efficiency_<tag>/<arm>__s<seed>/
-run_result.json`) and the analysis is rewritten after every run.
+The arms of a seed run one after the other, seed-major so that a partial run is usable: every run's result is
+checkpointed (`outputs/bench/token_efficiency_<tag>/<arm>__s<seed>/run_result.json`) and the analysis is rewritten
+after every run.
 
-View A (same rollouts per step, 64 prompts x 16): GRPO, GRPO without zero-advantage rows (exact), uniform
-subsampling 0.5, PODS max-variance 0.5, Cost-Aware GRPO 0.25 / 0.5 / 0.75 (default weights, "none") and 0.5 with
-"recenter" weights. View B (same policy tokens per step): GRPO on 32 x 16 rollouts against Cost-Aware GRPO generating
-64 x 16 and keeping half.
+View A (same rollouts per step): GRPO, GRPO without zero-advantage rows (exact), uniform subsampling 0.5 / 0.25 (and
+0.5 with recentred weights), PODS max-variance 0.5, Cost-Aware GRPO 0.25 / 0.5 / 0.75 (weights "none"), 0.5 with
+"recenter" weights, the `auto` budget (δ = 1, both weights), the loss-aware proxy, `cost_aware_group_by_length` and
+(long testbed) full micro-batches (`MAIN_ARMS`, `OTHER_ARMS`, `KEPT_ARMS`, `TESTBED_ARMS`). View B (same policy tokens
+per step): GRPO on half the prompts against Cost-Aware GRPO keeping half. Per arm also: real and padded policy
+tokens, the update phase's share of a step, and the sampler's per-batch J ratios (`THEORY_KEYS`); the row rules are
+compared pairwise on their common seeds (`PAIRS`).
 
 Measured per run: held-out accuracy (512 fixed problems, one sample at T = 1) every 4 steps, with the policy tokens,
 generated tokens and training wall seconds (evaluation excluded) at each point. The target is fixed once for all runs:

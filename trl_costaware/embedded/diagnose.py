@@ -39,7 +39,7 @@ CRITERIA = {
     "grpo_gain": ("GRPO held-out gain (mean over seeds)", ">= +0.15", lambda v: v >= 0.15),
     "grpo_gain_low": ("GRPO held-out gain, 95% CI low end", "> +0.10", lambda v: v > 0.10),
     "uniform_0.25_steps": ("uniform 0.25 steps to target / GRPO", ">= 1.2", lambda v: v >= 1.2),
-    "run_wall_s": ("GRPO run, training wall (s, one core)", "<= ~180", lambda v: v <= 200),
+    "run_wall_s": ("GRPO run, training wall (s, one core)", "<= 180", lambda v: v <= 180),
 }
 
 
