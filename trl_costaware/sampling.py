@@ -75,11 +75,12 @@ def _clean_costs(costs: torch.Tensor) -> torch.Tensor:
 
 def gradient_proxy(advantages: torch.Tensor, row_factors: torch.Tensor | None = None) -> torch.Tensor:
     """The gradient-norm proxy G_i = |A_i| (the paper's), or G_i = |A_i| · h_i with the loss type's per-row factor h_i
-    (`proxy.row_factor`, the "loss_aware" proxy) when `row_factors` is given. NaN advantages give G_i = 0."""
+    (`proxy.row_factor`, the "loss_aware" proxy) when `row_factors` is given. NaN advantages give G_i = 0; a product
+    that overflows is held at the dtype's largest finite value (never inf)."""
     g = _clean(advantages).abs()
     if row_factors is None:
         return g
-    return g * _clean(row_factors).abs().to(g.dtype)
+    return (g * _clean(row_factors).abs().to(g.dtype)).clamp(max=torch.finfo(g.dtype).max)
 
 
 def sampling_scores(
