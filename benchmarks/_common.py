@@ -45,15 +45,25 @@ ENV = {
 # ==================================================================================================== testbed arms
 # An arm is plain data: the trainer kind and CostAwareGRPOConfig fields on top of the testbed recipe.
 #   trainer: "grpo" (CostAwareGRPOTrainer, cost_aware=False), "cost_aware", "zero_adv_filter", "max_variance"
+# The fixed-fraction arms name their kept fraction: the config's default is "auto", and an arm must not change
+# meaning when a default does.
+HALF = {"cost_aware_kept_fraction": 0.5}
 ARMS: dict[str, dict] = {
     "grpo": {"trainer": "grpo", "settings": {}},
     "zero_adv_filter": {"trainer": "zero_adv_filter", "settings": {}},
-    "uniform_0.5": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "uniform"}},
+    "uniform_0.5": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "uniform", **HALF}},
     "pods_0.5": {"trainer": "max_variance", "settings": {"cost_aware_kept_fraction": 0.5}},
     "cost_aware_0.25": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.25}},
-    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {}},
+    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {**HALF}},
     "cost_aware_0.75": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.75}},
-    "cost_aware_0.5_recenter": {"trainer": "cost_aware", "settings": {"cost_aware_weight_normalization": "recenter"}},
+    "cost_aware_0.5_recenter": {
+        "trainer": "cost_aware",
+        "settings": {**HALF, "cost_aware_weight_normalization": "recenter"},
+    },
+    "cost_aware_0.25_recenter": {
+        "trainer": "cost_aware",
+        "settings": {"cost_aware_kept_fraction": 0.25, "cost_aware_weight_normalization": "recenter"},
+    },
     # View B: GRPO on half the rollouts per step (32 prompts x 16), the policy tokens per step of a kept-0.5 arm.
     "grpo_half": {"trainer": "grpo", "settings": {"per_device_train_batch_size": 512}},
     "uniform_0.25": {
@@ -62,16 +72,22 @@ ARMS: dict[str, dict] = {
     },
     "uniform_0.5_recenter": {
         "trainer": "cost_aware",
-        "settings": {"cost_aware_proxy": "uniform", "cost_aware_weight_normalization": "recenter"},
+        "settings": {"cost_aware_proxy": "uniform", **HALF, "cost_aware_weight_normalization": "recenter"},
     },
     "cost_aware_auto": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": "auto"}},
     "cost_aware_auto_recenter": {
         "trainer": "cost_aware",
         "settings": {"cost_aware_kept_fraction": "auto", "cost_aware_weight_normalization": "recenter"},
     },
-    "cost_aware_0.5_loss_aware": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "loss_aware"}},
-    "cost_aware_0.5_group_by_length": {"trainer": "cost_aware", "settings": {"cost_aware_group_by_length": True}},
-    "cost_aware_0.5_full_micro": {"trainer": "cost_aware", "settings": {"cost_aware_full_micro_batches": True}},
+    "cost_aware_0.5_loss_aware": {"trainer": "cost_aware", "settings": {**HALF, "cost_aware_proxy": "loss_aware"}},
+    "cost_aware_0.5_group_by_length": {
+        "trainer": "cost_aware",
+        "settings": {**HALF, "cost_aware_group_by_length": True},
+    },
+    "cost_aware_0.5_full_micro": {
+        "trainer": "cost_aware",
+        "settings": {**HALF, "cost_aware_full_micro_batches": True},
+    },
 }
 # Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
 TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {

@@ -26,7 +26,7 @@ import _common as common  # noqa: E402
 ARMS = {
     "grpo": ("grpo", {}),
     "ca_kept1.0": ("cost_aware", {"cost_aware_kept_fraction": 1.0}),
-    "ca_kept0.5": ("cost_aware", {}),
+    "ca_kept0.5": ("cost_aware", {"cost_aware_kept_fraction": 0.5}),
     "ca_kept0.25": ("cost_aware", {"cost_aware_kept_fraction": 0.25}),
 }
 SKIP = 2

@@ -13,8 +13,8 @@ checkpointed (`outputs/bench/token_efficiency_<tag>/<arm>__s<seed>/run_result.js
 after every run.
 
 View A (same rollouts per step): GRPO, GRPO without zero-advantage rows (exact), uniform subsampling 0.5 / 0.25 (and
-0.5 with recentred weights), PODS max-variance 0.5, Cost-Aware GRPO 0.25 / 0.5 / 0.75 (weights "none"), 0.5 with
-"recenter" weights, the `auto` budget (δ = 1, both weights), the loss-aware proxy, `cost_aware_group_by_length` and
+0.5 with recentred weights), PODS max-variance 0.5, Cost-Aware GRPO 0.25 / 0.5 / 0.75 (weights "none"), 0.25 and 0.5
+with "recenter" weights, the `auto` budget (δ = 1, both weights), the loss-aware proxy, `cost_aware_group_by_length` and
 (long testbed) full micro-batches (`MAIN_ARMS`, `OTHER_ARMS`, `KEPT_ARMS`, `TESTBED_ARMS`). View B (same policy tokens
 per step): GRPO on half the prompts against Cost-Aware GRPO keeping half. Per arm also: real and padded policy
 tokens, the update phase's share of a step, and the sampler's per-batch J ratios (`THEORY_KEYS`); the row rules are
@@ -50,12 +50,13 @@ MAIN_ARMS = ("grpo", "cost_aware_0.5", "uniform_0.5")  # --seeds (10)
 OTHER_ARMS = ("grpo_half", "zero_adv_filter", "pods_0.5", "cost_aware_0.5_recenter", "uniform_0.5_recenter")
 OTHER_ARMS += ("cost_aware_auto", "cost_aware_auto_recenter", "cost_aware_0.5_loss_aware")
 OTHER_ARMS += ("cost_aware_0.5_group_by_length", "uniform_0.25")
-KEPT_ARMS = ("cost_aware_0.25", "cost_aware_0.75")  # --kept-seeds (5)
+KEPT_ARMS = ("cost_aware_0.25", "cost_aware_0.25_recenter", "cost_aware_0.75")  # --kept-seeds (5)
 # Arms a testbed's layout allows beyond those (full micro-batches need steps_per_generation > 1: the default testbed
 # has one micro-batch per generation batch, so the layout has nothing to merge there).
 TESTBED_ARMS = {"default": (), "long": ("cost_aware_0.5_full_micro",)}
 VIEW_A = ("grpo", "zero_adv_filter", "uniform_0.5", "uniform_0.5_recenter", "uniform_0.25", "pods_0.5")
-VIEW_A += ("cost_aware_0.25", "cost_aware_0.5", "cost_aware_0.75", "cost_aware_0.5_recenter", "cost_aware_auto")
+VIEW_A += ("cost_aware_0.25", "cost_aware_0.25_recenter", "cost_aware_0.5", "cost_aware_0.75")
+VIEW_A += ("cost_aware_0.5_recenter", "cost_aware_auto")
 VIEW_A += ("cost_aware_auto_recenter", "cost_aware_0.5_loss_aware", "cost_aware_0.5_group_by_length")
 VIEW_A += ("cost_aware_0.5_full_micro",)
 VIEW_B = ("grpo_half", "cost_aware_0.5")
@@ -236,6 +237,8 @@ PAIRS += [("cost_aware_0.5_recenter", "uniform_0.5_recenter"), ("cost_aware_0.5_
 PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_auto", "cost_aware_0.5_loss_aware")]
 PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_0.5_group_by_length", "cost_aware_0.5_full_micro")]
 PAIRS += [("cost_aware_auto_recenter", "cost_aware_0.5_recenter"), ("uniform_0.25", "uniform_0.5")]
+# the `auto` default against the smaller fixed fraction (fewer tokens, but is the accuracy kept?), both weights
+PAIRS += [("cost_aware_auto", "cost_aware_0.25"), ("cost_aware_auto_recenter", "cost_aware_0.25_recenter")]
 PAIRS += [("cost_aware_0.5_recenter", "cost_aware_0.5")]  # an option against its default (defaults_check.py)
 THEORY_KEYS = ("j_ratio_ideal", "j_ratio_achieved", "kept_token_fraction", "informative_fraction")
 
