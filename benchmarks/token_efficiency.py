@@ -14,9 +14,9 @@ after every run.
 
 View A (same rollouts per step): GRPO, GRPO without zero-advantage rows (exact), uniform subsampling 0.5 / 0.25 (and
 0.5 with recentred weights), PODS max-variance 0.5, Cost-Aware GRPO 0.25 / 0.5 / 0.75 (weights "none"), 0.25 and 0.5
-with "recenter" weights, the `auto` budget (δ = 1, both weights), the loss-aware proxy, `cost_aware_group_by_length` and
-(long testbed) full micro-batches (`MAIN_ARMS`, `OTHER_ARMS`, `KEPT_ARMS`, `TESTBED_ARMS`). View B (same policy tokens
-per step): GRPO on half the prompts against Cost-Aware GRPO keeping half. Per arm also: real and padded policy
+with "recenter" weights, the `auto` budget (δ = 1, both weights), the loss-aware proxy, `cost_aware_group_by_length`
+and (long testbed) full micro-batches (`MAIN_ARMS`, `OTHER_ARMS`, `KEPT_ARMS`, `TESTBED_ARMS`). View B (same policy
+tokens per step): GRPO on half the prompts against Cost-Aware GRPO keeping half. Per arm also: real and padded policy
 tokens, the update phase's share of a step, and the sampler's per-batch J ratios (`THEORY_KEYS`); the row rules are
 compared pairwise on their common seeds (`PAIRS`).
 
