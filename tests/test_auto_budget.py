@@ -8,7 +8,16 @@ import math
 
 import pytest
 import torch
-from test_unbiased import CHEAP_DRAWS, TOLERANCE, _detects_5_percent, fixed_case, make_trainer, run_case
+from test_unbiased import (
+    CHEAP_DRAWS,
+    OPTIONS,
+    TOLERANCE,
+    _detects_5_percent,
+    _weights_forced_to_one,
+    fixed_case,
+    make_trainer,
+    run_case,
+)
 from transformers import HfArgumentParser
 
 from trl_costaware import CostAwareGRPOConfig
@@ -169,6 +178,57 @@ def test_auto_budget_is_unbiased(warm_model_path, dataset, tmp_path, monkeypatch
     assert not r.biased(TOLERANCE), r
     fractions = trainer._metrics["train"]["cost_aware/kept_row_fraction"]
     assert fractions and max(fractions) < 1.0  # rows were dropped: the test is not a full-batch copy
+
+
+# "auto" is the default kept fraction, so it gets the TRL options of the fixed-fraction matrix (tests/test_unbiased.py
+# OPTIONS): the truncation mask, β > 0 with a perturbed reference, steps_per_generation = 2 × GA over a whole
+# generation batch, and the second pass of num_iterations = 2; each with a weights-forced-to-1 control.
+AUTO_OPTION_CASES = [
+    pytest.param(lt, name, id=f"{lt}-micro2-auto-{name}")
+    for name in ("truncation_mask", "beta_perturbed_reference", "spg_2x_ga", "num_iterations_2_second")
+    for lt in ("grpo", "dapo")
+]
+
+
+def _auto_trainer(warm_model_path, dataset, tmp_path, loss_type, name):
+    options = {k: v for k, v in OPTIONS[name].items() if k != "cost_aware_kept_fraction"}
+    return make_trainer(
+        warm_model_path,
+        dataset,
+        tmp_path,
+        loss_type=loss_type,
+        micro=2,
+        **{**options, "cost_aware_kept_fraction": "auto", "cost_aware_budget_delta": 1.0},
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("loss_type", "name"), AUTO_OPTION_CASES)
+def test_auto_budget_is_unbiased_with_trl_options(warm_model_path, dataset, tmp_path, monkeypatch, loss_type, name):
+    trainer = _auto_trainer(warm_model_path, dataset, tmp_path, loss_type, name)
+    case = fixed_case(trainer, dataset, monkeypatch)
+    if name == "truncation_mask":
+        assert (case.full["completion_mask"].sum(-1) == 0).any()  # some rows are truncated, their loss mask empty
+    r = run_case(case, CHEAP_DRAWS)
+    assert _detects_5_percent(r), r
+    assert not r.biased(TOLERANCE), r
+    fractions = trainer._metrics["train"]["cost_aware/kept_row_fraction"]
+    assert fractions and max(fractions) < 1.0  # rows were dropped: the test is not a full-batch copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [None, "spg_2x_ga", "beta_perturbed_reference"])
+def test_auto_budget_weights_one_control_fails(warm_model_path, dataset, tmp_path, monkeypatch, name):
+    """The same statistic flags `auto` with every weight forced to 1 (without the control the test proves nothing)."""
+    if name is None:
+        trainer = make_trainer(
+            warm_model_path, dataset, tmp_path, micro=2, cost_aware_kept_fraction="auto", cost_aware_budget_delta=1.0
+        )
+    else:
+        trainer = _auto_trainer(warm_model_path, dataset, tmp_path, "grpo", name)
+    _weights_forced_to_one(monkeypatch, trainer)
+    r = run_case(fixed_case(trainer, dataset, monkeypatch), CHEAP_DRAWS)
+    assert r.biased(TOLERANCE), r
 
 
 # ---------------------------------------------------------------- with the truncation mask (issue 20, item 1)

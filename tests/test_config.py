@@ -46,3 +46,59 @@ def test_unknown_loss_type_refused_at_config_time(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"loss_type='new_token_sum' is not supported with cost_aware=True"):
         make(tmp_path, loss_type="new_token_sum")
     assert make(tmp_path, loss_type="new_token_sum", cost_aware=False).loss_type == "new_token_sum"
+
+
+# ---------------------------------------------------------------- the kept fraction's default and its interactions
+def test_kept_fraction_defaults_to_auto(tmp_path):
+    """Unset, the kept fraction is the δ budget ("auto"), chosen in BENCHMARKS.md §5 over a fixed 0.5."""
+    assert make(tmp_path).cost_aware_kept_fraction == "auto"
+
+
+def test_unset_kept_fraction_with_a_token_budget_lets_the_budget_choose(tmp_path):
+    args = make(tmp_path, cost_aware_token_budget=4096)
+    assert args.cost_aware_kept_fraction is None and args.cost_aware_token_budget == 4096
+
+
+def test_explicit_auto_with_a_token_budget_is_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"cost_aware_kept_fraction='auto' and cost_aware_token_budget both"):
+        make(tmp_path, cost_aware_kept_fraction="auto", cost_aware_token_budget=4096)
+
+
+def test_fixed_fraction_with_a_token_budget_is_kept_and_the_budget_chooses(tmp_path):
+    args = make(tmp_path, cost_aware_kept_fraction=0.5, cost_aware_token_budget=4096)
+    assert args.cost_aware_kept_fraction == 0.5 and args.cost_aware_token_budget == 4096
+
+
+@pytest.mark.parametrize("value", [0.0, 1.5, -0.1, "half", "0", True])
+def test_bad_kept_fraction_refused(tmp_path, value):
+    with pytest.raises(ValueError, match=r"cost_aware_kept_fraction must be a number in \(0, 1\] or 'auto'"):
+        make(tmp_path, cost_aware_kept_fraction=value)
+
+
+@pytest.mark.parametrize("value", ["0.25", "AUTO", 1])
+def test_kept_fraction_from_text(tmp_path, value):
+    expected = {"0.25": 0.25, "AUTO": "auto", 1: 1.0}[value]
+    assert make(tmp_path, cost_aware_kept_fraction=value).cost_aware_kept_fraction == expected
+
+
+def test_full_micro_batches_need_a_fixed_fraction_when_the_default_is_auto(tmp_path):
+    kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, cost_aware_full_micro_batches=True)
+    with pytest.raises(ValueError, match=r"cost_aware_full_micro_batches=True needs a fixed cost_aware_kept_fraction"):
+        make(tmp_path, **kw)
+    with pytest.raises(ValueError, match=r"unset means 'auto'"):
+        make(tmp_path, cost_aware_kept_fraction="auto", **kw)
+    args = make(tmp_path, cost_aware_kept_fraction=0.5, **kw)
+    assert args.cost_aware_kept_fraction == 0.5
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (8, 1, 1)
+
+
+def test_kept_fraction_parses_from_the_command_line(tmp_path):
+    """HfArgumentParser / TrlParser call the field's annotation on the text: a number, 'auto', or unset."""
+    from trl import TrlParser
+
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none", "--bf16", "false"]
+    (args,) = TrlParser((CostAwareGRPOConfig,)).parse_args_and_config(base)
+    assert args.cost_aware_kept_fraction == "auto"
+    for text, expected in (("0.25", 0.25), ("auto", "auto")):
+        (args,) = TrlParser((CostAwareGRPOConfig,)).parse_args_and_config(base + ["--cost_aware_kept_fraction", text])
+        assert args.cost_aware_kept_fraction == expected

@@ -169,7 +169,7 @@ def test_auto_m_is_smallest_budget_on_the_eligible_rows():
 
 def test_token_budget_keeps_the_smallest_count_over_ranks():
     rows = make_rows([1.0, -1.0] * 8)
-    s = PlanSettings(token_budget=60.0, zero_advantage_carries_gradient=True)
+    s = PlanSettings(kept_fraction=None, token_budget=60.0, zero_advantage_carries_gradient=True)
     alone = plan_batch(rows, s, gen())
     assert plan_batch(rows, s, gen(), OtherRank([-(alone.m - 1), 16])).m == alone.m - 1
 
@@ -299,3 +299,12 @@ def test_streams_of_ranks_and_names_never_collide():
     assert len(seeds) == 3 * 16 * 2
     assert stream_seed(0, 0, "grouping") != stream_seed(0, 7, "sampler")
     assert stream_seed(-5, 0, "sampler") >= 0 and stream_seed(2**70, 3, "sampler") < 2**63
+
+
+def test_plan_settings_mirror_the_config_on_kept_fraction_and_token_budget():
+    assert PlanSettings().kept_fraction == "auto"  # the config's default
+    with pytest.raises(ValueError, match=r"kept_fraction=None needs a token_budget"):
+        PlanSettings(kept_fraction=None)
+    with pytest.raises(ValueError, match=r"kept_fraction='auto' and token_budget both choose m"):
+        PlanSettings(token_budget=100.0)
+    assert PlanSettings(kept_fraction=None, token_budget=100.0).token_budget == 100.0

@@ -265,7 +265,7 @@ def test_lora(tmp_path, model_path, dataset):
     trainer.train()
     changed = [n for n, p in trainer.model.named_parameters() if "lora_B" in n and not torch.equal(p, lora[n])]
     assert changed
-    assert last_metric(trainer, "cost_aware/kept_row_fraction") == 0.5
+    assert 0.0 < last_metric(trainer, "cost_aware/kept_row_fraction") < 1.0  # the default "auto" dropped rows
 
 
 def test_conversational_prompts(tmp_path, model_path):
@@ -497,7 +497,9 @@ def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, mod
 
 def test_deferred_logps_match_trls_by_value(tmp_path, model_path, dataset):
     """The deferred old-policy log-probs of each kept row equal what TRL computes for that row on the full batch."""
-    args = make_args(tmp_path, steps_per_generation=2, gradient_accumulation_steps=1, max_steps=1)
+    args = make_args(
+        tmp_path, steps_per_generation=2, gradient_accumulation_steps=1, max_steps=1, cost_aware_kept_fraction=0.5
+    )
     trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.model.train()
     raw = [dataset[i] for i in range(16)]

@@ -128,7 +128,7 @@ class PlanSettings:
     """The configuration fields the plan reads (`from_args` takes them from a `CostAwareGRPOConfig`)."""
 
     loss_type: str = "grpo"
-    kept_fraction: float | str = 0.5
+    kept_fraction: float | str | None = AUTO  # None: the token budget alone chooses m (as in the config)
     token_budget: float | None = None
     budget_delta: float = 1.0
     proxy: str = "advantage"
@@ -142,6 +142,10 @@ class PlanSettings:
 
     def __post_init__(self):
         check_loss_type(self.loss_type)
+        if self.kept_fraction is None and self.token_budget is None:
+            raise ValueError("PlanSettings: kept_fraction=None needs a token_budget (the budget then chooses m)")
+        if self.kept_fraction == AUTO and self.token_budget is not None:
+            raise ValueError("PlanSettings: kept_fraction='auto' and token_budget both choose m; set one of them")
 
     @classmethod
     def from_args(cls, args, zero_advantage_carries_gradient: bool) -> PlanSettings:
