@@ -126,7 +126,8 @@ def _ci(t, fmt) -> str:
     return fmt.format(mean) if lo is None else f"{fmt.format(mean)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
-HEADLINE_ARMS = ("cost_aware_0.5", "cost_aware_0.5_recenter", "uniform_0.5", "pods_0.5", "cost_aware_auto")
+HEADLINE_ARMS = ("cost_aware_auto", "cost_aware_auto_recenter", "cost_aware_0.5", "cost_aware_0.5_recenter")
+HEADLINE_ARMS += ("uniform_0.5", "pods_0.5")
 HEADLINE_PAIRS = (
     ("cost_aware_0.5", "uniform_0.5"),
     ("cost_aware_0.5", "pods_0.5"),
@@ -135,9 +136,12 @@ HEADLINE_PAIRS = (
 )
 
 
-def headline(results: dict[str, dict]) -> list[str]:
+def headline(results: dict[str, dict], more: dict[str, dict] | None = None) -> list[str]:
     """The README's table: per testbed GRPO's gain, each arm's policy tokens to the target / GRPO's, and what the row
-    choice adds over uniform subsampling and PODS (paired ratios of policy tokens to the target)."""
+    choice adds over uniform subsampling and PODS (paired ratios of policy tokens to the target). An arm is read from
+    `more[bed]` (the kept-fraction runs) instead when that file has more seeds of it and the same target (the runs are
+    deterministic per seed, so its first seeds are the same runs)."""
+    more = more or {}
     lines = [
         "| testbed | GRPO gain (10 seeds) | "
         + " | ".join(f"{a} / GRPO" for a in HEADLINE_ARMS)
@@ -149,8 +153,12 @@ def headline(results: dict[str, dict]) -> list[str]:
     for bed, res in results.items():
         gain = res["grpo_improvement"]
         cells = [_ci((gain["mean"], *gain["ci95"]), "{:+.3f}")]
+        extra = more.get(bed) if more.get(bed, {}).get("target") == res.get("target") else None
         for arm in HEADLINE_ARMS:
             a = (res.get("arms") or {}).get(arm)
+            b = ((extra or {}).get("arms") or {}).get(arm)
+            if b and (a is None or b["n"] > a["n"]):
+                a = b
             r = a["ratio_vs_grpo"]["policy_tokens"] if a else None
             cells.append(f"{_ci(r['ci'], '{:.2f}')} ({a['n']})" if r else "not run")
         for x, y in HEADLINE_PAIRS:
@@ -217,7 +225,8 @@ def main(argv=None) -> dict:
                 f"{_ci(v['delta_end'], '{:+.3f}')} | {_ci(v['default_minus_grpo'], '{:+.3f}')} | "
                 f"{_ci(v['alternative_minus_grpo'], '{:+.3f}')} | {v['status']} | {v['file']} |"
             )
-    lines += ["", *headline(results)]
+    more = {bed: r for bed, name in KEPT.items() if (r := load(args.results, name)) is not None}
+    lines += ["", *headline(results, more)]
     text = "\n".join(lines)
     with open(os.path.join(args.results, "defaults_check.md"), "w", encoding="utf-8") as fh:
         fh.write(text + "\n")
