@@ -69,6 +69,6 @@ def test_check_reads_both_testbeds_and_says_what_was_not_run(tmp_path):
         with open(os.path.join(RESULTS, name), encoding="utf-8") as src:
             (tmp_path / name).write_text(src.read(), encoding="utf-8")
     table = dc.check(str(tmp_path))
-    auto_vs_half = table["kept fraction: auto (δ = 1) vs fixed 0.5"]
+    auto_vs_half = table["kept fraction: auto vs fixed 0.5 (weights none)"]
     assert auto_vs_half["default"]["status"] == "not run"  # no default-testbed file here
     assert auto_vs_half["long"]["seeds"] >= 5 and auto_vs_half["long"]["default_minus_grpo"] is not None

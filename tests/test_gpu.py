@@ -54,7 +54,7 @@ RUNS.update(
             steps_per_generation=4, gradient_accumulation_steps=4, cost_aware_group_by_length=True
         ),
         "multinomial-selfnorm": dict(cost_aware_draw="multinomial", cost_aware_weight_normalization="self_normalize"),
-        "recenter": dict(cost_aware_weight_normalization="recenter"),
+        "weights-none": dict(cost_aware_weight_normalization="none"),  # the default is "recenter"
     }
 )
 

@@ -19,6 +19,12 @@ from trl_costaware.plan import LOSS_NORMALISERS, PlanSettings, RowStats, check_l
 from trl_costaware.sampling import eligible_rows, sampling_distribution, stream_seed
 
 
+def ht_settings(**kwargs) -> PlanSettings:
+    """PlanSettings with the Horvitz–Thompson weights ("none") whose exact math these tests check (the default,
+    "recenter", shifts every weight by the same amount: tested in tests/test_recenter.py)."""
+    return PlanSettings(**{"weight_normalization": "none", **kwargs})
+
+
 def make_rows(advantages, loss_tokens=None, costs=None, prompt=4.0) -> RowStats:
     a = torch.as_tensor(advantages, dtype=torch.float32)
     n = len(a)
@@ -77,7 +83,7 @@ def test_unknown_loss_type_is_refused_naming_the_field(name):
         check_loss_type(name)
     assert "grpo" in str(err.value) and "bnpo" in str(err.value)
     with pytest.raises(ValueError, match="loss_type"):
-        PlanSettings(loss_type=name)
+        ht_settings(loss_type=name)
 
 
 def test_proxy_and_plan_read_the_same_table():
@@ -90,7 +96,7 @@ def test_proxy_and_plan_read_the_same_table():
 @pytest.mark.parametrize("loss_type", list(LOSS_NORMALISERS))
 def test_factor_follows_the_normaliser(loss_type):
     rows = make_rows([1.0, -1.0, 2.0, -2.0, 0.5, -0.5, 1.5, -1.5])
-    plan = plan_batch(rows, PlanSettings(loss_type=loss_type, kept_fraction=0.5), gen())
+    plan = plan_batch(rows, ht_settings(loss_type=loss_type, kept_fraction=0.5), gen())
     weights = plan.draw.weights
     scale = 1.0 if LOSS_NORMALISERS[loss_type].rows else 8 / 4
     torch.testing.assert_close(plan.factors, weights * scale)
@@ -112,7 +118,7 @@ def _auto_rows(truncated: bool):
 def test_auto_with_a_truncated_row_still_drops_rows():
     """A truncated row (A ≠ 0, no loss token, never drawn) made every m look infinitely noisy: m = all eligible rows
     and inflation inf. Its gradient is 0: the budget must ignore it."""
-    s = PlanSettings(kept_fraction="auto", budget_delta=1.0, smoothing=0.1)
+    s = ht_settings(kept_fraction="auto", budget_delta=1.0, smoothing=0.1)
     clean = plan_batch(_auto_rows(False), s, gen())
     masked = plan_batch(_auto_rows(True), s, gen())
     eligible = int(masked.eligible.sum())
@@ -132,7 +138,7 @@ def test_auto_with_a_truncated_row_still_drops_rows():
 def test_auto_inflation_is_finite_and_within_delta(adv, tokens, alpha, delta):
     n = len(adv)
     rows = make_rows(adv, [float(t) for t in tokens[:n]])
-    plan = plan_batch(rows, PlanSettings(kept_fraction="auto", budget_delta=delta, smoothing=alpha), gen())
+    plan = plan_batch(rows, ht_settings(kept_fraction="auto", budget_delta=delta, smoothing=alpha), gen())
     inflation = plan.metrics["budget_inflation"]
     assert math.isfinite(inflation)
     if plan.m < int(plan.eligible.sum()):  # not capped: the rule's own m, within δ
@@ -141,7 +147,7 @@ def test_auto_inflation_is_finite_and_within_delta(adv, tokens, alpha, delta):
 
 def test_auto_keeps_the_largest_count_over_ranks_and_sums_the_inflation():
     rows = _auto_rows(False)
-    s = PlanSettings(kept_fraction="auto", budget_delta=1.0)
+    s = ht_settings(kept_fraction="auto", budget_delta=1.0)
     alone = plan_batch(rows, s, gen())
     k = int(alone.eligible.sum())
     assert 1 < alone.m < k
@@ -157,7 +163,7 @@ def test_auto_keeps_the_largest_count_over_ranks_and_sums_the_inflation():
 
 def test_auto_m_is_smallest_budget_on_the_eligible_rows():
     rows = _auto_rows(True)
-    s = PlanSettings(kept_fraction="auto", budget_delta=0.5, smoothing=0.2)
+    s = ht_settings(kept_fraction="auto", budget_delta=0.5, smoothing=0.2)
     plan = plan_batch(rows, s, gen())
     eligible = eligible_rows(rows.advantages, rows.loss_tokens, False)
     p = sampling_distribution(rows.advantages.abs() / rows.costs.sqrt(), 0.2, support=eligible)
@@ -169,7 +175,7 @@ def test_auto_m_is_smallest_budget_on_the_eligible_rows():
 
 def test_token_budget_keeps_the_smallest_count_over_ranks():
     rows = make_rows([1.0, -1.0] * 8)
-    s = PlanSettings(kept_fraction=None, token_budget=60.0, zero_advantage_carries_gradient=True)
+    s = ht_settings(kept_fraction=None, token_budget=60.0, zero_advantage_carries_gradient=True)
     alone = plan_batch(rows, s, gen())
     assert plan_batch(rows, s, gen(), OtherRank([-(alone.m - 1), 16])).m == alone.m - 1
 
@@ -178,7 +184,7 @@ def test_token_budget_keeps_the_smallest_count_over_ranks():
 def _filler_case(method="none", cap=None):
     """This rank: 3 eligible rows of 8; the other rank: 8 eligible, so m = 0.75·8 = 6 here too (3 fillers)."""
     rows = make_rows([1.0, -2.0, 0.5, 0, 0, 0, 0, 0])
-    s = PlanSettings(kept_fraction=0.75, smoothing=0.1, weight_normalization=method, weight_cap=cap)
+    s = ht_settings(kept_fraction=0.75, smoothing=0.1, weight_normalization=method, weight_cap=cap)
     other = torch.stack([torch.ones(6), torch.zeros(6)], 1)  # the other rank's 6 weights of 1, no fillers
     return plan_batch(rows, s, gen(), OtherRank([-6, 8], weights=other, sums={"fillers": 0.0}))
 
@@ -217,7 +223,7 @@ def test_weights_of_rows_that_carry_gradient_are_bounded_by_one_over_alpha(adv, 
     """p ≥ α/|S| on the support, so w ≤ |S|/(α N) ≤ 1/α for every kept row that can carry gradient (the help text's
     bound); fillers are outside it and get 0."""
     rows = make_rows(adv)
-    plan = plan_batch(rows, PlanSettings(kept_fraction=fraction, smoothing=alpha, draw=draw), gen(seed))
+    plan = plan_batch(rows, ht_settings(kept_fraction=fraction, smoothing=alpha, draw=draw), gen(seed))
     k, n = int(plan.eligible.sum()), len(adv)
     real = plan.draw.weights[~plan.filler]
     if k:
@@ -229,8 +235,8 @@ def test_weights_of_rows_that_carry_gradient_are_bounded_by_one_over_alpha(adv, 
 # ---------------------------------------------------------------- the plan is a pure function
 def test_plan_is_deterministic_given_the_generator():
     rows = make_rows([1.0, -1.0, 2.0, -0.5, 0.0, 3.0, -2.0, 0.25])
-    a = plan_batch(rows, PlanSettings(), gen(7))
-    b = plan_batch(rows, PlanSettings(), gen(7))
+    a = plan_batch(rows, ht_settings(), gen(7))
+    b = plan_batch(rows, ht_settings(), gen(7))
     assert torch.equal(a.indices, b.indices) and torch.equal(a.factors, b.factors) and a.metrics == b.metrics
 
 
@@ -245,12 +251,12 @@ def test_plan_calls_its_math_through_module_globals(monkeypatch):
         return out
 
     monkeypatch.setattr(plan_module, "draw_rows", recorded)
-    plan = plan_batch(make_rows([1.0, -1.0, 2.0, -2.0]), PlanSettings(), gen())
+    plan = plan_batch(make_rows([1.0, -1.0, 2.0, -2.0]), ht_settings(), gen())
     assert seen and seen[0] is plan.draw
 
 
 def test_zero_signal_batch_plans_and_logs():
-    plan = plan_batch(make_rows([0.0] * 8), PlanSettings(), gen())
+    plan = plan_batch(make_rows([0.0] * 8), ht_settings(), gen())
     assert plan.m >= 1 and (plan.factors == 0).all()
     assert plan.metrics["informative_fraction"] == 0.0 and plan.metrics["zero_signal_ranks"] == 1.0
     assert plan.metrics["filler_row_fraction"] == 1.0
@@ -308,3 +314,5 @@ def test_plan_settings_mirror_the_config_on_kept_fraction_and_token_budget():
     with pytest.raises(ValueError, match=r"kept_fraction='auto' and token_budget both choose m"):
         PlanSettings(token_budget=100.0)
     assert PlanSettings(kept_fraction=None, token_budget=100.0).token_budget == 100.0
+    s = PlanSettings()
+    assert (s.weight_normalization, s.weight_floor) == ("recenter", 0.0)  # floored at 0, as the config does

@@ -97,6 +97,7 @@ def make_trainer(
         loss_type=loss_type,
         cost_aware_kept_fraction=0.5,
         cost_aware_smoothing=0.2,
+        cost_aware_weight_normalization="none",  # the Horvitz–Thompson weights, the unbiased estimator checked here
         **LOSS_SETTINGS.get(loss_type, {}),
     )
     kwargs.update(overrides)

@@ -158,6 +158,17 @@ def run_demo(
     return summary
 
 
+def _default_settings() -> str:
+    """The defaults the Cost-Aware arm runs with, read from the config class (an unset kept fraction means "auto")."""
+    import dataclasses
+
+    from trl_costaware import CostAwareGRPOConfig
+
+    d = {f.name: f.default for f in dataclasses.fields(CostAwareGRPOConfig)}
+    kept = d["cost_aware_kept_fraction"] or "auto"
+    return f"kept fraction {kept!r}, weights {d['cost_aware_weight_normalization']!r}"
+
+
 def format_summary(summary: dict) -> str:
     lines = [
         f"Embedded {summary.get('testbed', 'default')} testbed, {summary['steps']} steps per arm, seed "
@@ -189,7 +200,10 @@ def format_summary(summary: dict) -> str:
                 "illustration, the 10-seed result with intervals is in BENCHMARKS.md."
             )
     saved = 1 - summary["arms"]["cost_aware_grpo"]["policy_tokens"] / summary["arms"]["grpo"]["policy_tokens"]
-    lines.append(f"Over the same rollouts, Cost-Aware GRPO trained on {saved:.0%} fewer policy tokens.")
+    lines.append(
+        f"Over the same rollouts, Cost-Aware GRPO (the package defaults: {_default_settings()}) trained on "
+        f"{saved:.0%} fewer policy tokens."
+    )
     return "\n".join(lines)
 
 

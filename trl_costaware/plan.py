@@ -134,7 +134,7 @@ class PlanSettings:
     proxy: str = "advantage"
     smoothing: float = 0.1
     draw: str = "systematic"
-    weight_normalization: str = "none"
+    weight_normalization: str = "recenter"  # the config's default; "recenter" is floored at 0 when no floor is given
     weight_floor: float | None = None
     weight_cap: float | None = None
     steps_per_generation: int = 1
@@ -146,6 +146,8 @@ class PlanSettings:
             raise ValueError("PlanSettings: kept_fraction=None needs a token_budget (the budget then chooses m)")
         if self.kept_fraction == AUTO and self.token_budget is not None:
             raise ValueError("PlanSettings: kept_fraction='auto' and token_budget both choose m; set one of them")
+        if self.weight_normalization == "recenter" and self.weight_floor is None:
+            object.__setattr__(self, "weight_floor", 0.0)  # as the config: weights stay non-negative
 
     @classmethod
     def from_args(cls, args, zero_advantage_carries_gradient: bool) -> PlanSettings:
