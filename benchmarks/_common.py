@@ -80,6 +80,14 @@ ARMS: dict[str, dict] = {
         "settings": {"cost_aware_kept_fraction": "auto", "cost_aware_weight_normalization": "recenter"},
     },
     "cost_aware_0.5_loss_aware": {"trainer": "cost_aware", "settings": {**HALF, "cost_aware_proxy": "loss_aware"}},
+    "cost_aware_auto_recenter_loss_aware": {  # the loss-aware proxy at the package defaults
+        "trainer": "cost_aware",
+        "settings": {
+            "cost_aware_kept_fraction": "auto",
+            "cost_aware_weight_normalization": "recenter",
+            "cost_aware_proxy": "loss_aware",
+        },
+    },
     "cost_aware_0.5_group_by_length": {
         "trainer": "cost_aware",
         "settings": {**HALF, "cost_aware_group_by_length": True},

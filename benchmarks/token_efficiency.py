@@ -51,6 +51,7 @@ OTHER_ARMS = ("grpo_half", "zero_adv_filter", "pods_0.5", "cost_aware_0.5_recent
 OTHER_ARMS += ("cost_aware_auto", "cost_aware_auto_recenter", "cost_aware_0.5_loss_aware")
 OTHER_ARMS += ("cost_aware_0.5_group_by_length", "uniform_0.25")
 KEPT_ARMS = ("cost_aware_0.25", "cost_aware_0.25_recenter", "cost_aware_0.75")  # --kept-seeds (5)
+KEPT_ARMS += ("cost_aware_auto_recenter_loss_aware",)
 # Arms a testbed's layout allows beyond those (full micro-batches need steps_per_generation > 1: the default testbed
 # has one micro-batch per generation batch, so the layout has nothing to merge there).
 TESTBED_ARMS = {"default": (), "long": ("cost_aware_0.5_full_micro",)}
@@ -58,7 +59,7 @@ VIEW_A = ("grpo", "zero_adv_filter", "uniform_0.5", "uniform_0.5_recenter", "uni
 VIEW_A += ("cost_aware_0.25", "cost_aware_0.25_recenter", "cost_aware_0.5", "cost_aware_0.75")
 VIEW_A += ("cost_aware_0.5_recenter", "cost_aware_auto")
 VIEW_A += ("cost_aware_auto_recenter", "cost_aware_0.5_loss_aware", "cost_aware_0.5_group_by_length")
-VIEW_A += ("cost_aware_0.5_full_micro",)
+VIEW_A += ("cost_aware_0.5_full_micro", "cost_aware_auto_recenter_loss_aware")
 VIEW_B = ("grpo_half", "cost_aware_0.5")
 EVAL_GRID = 4  # the analysis reads every run's curve at steps 0, 4, 8, ... (runs evaluated more often included)
 TARGET_FRACTION = 0.8
@@ -239,6 +240,7 @@ PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_0.5_group_by_length", "cos
 PAIRS += [("cost_aware_auto_recenter", "cost_aware_0.5_recenter"), ("uniform_0.25", "uniform_0.5")]
 # the `auto` default against the smaller fixed fraction (fewer tokens, but is the accuracy kept?), both weights
 PAIRS += [("cost_aware_auto", "cost_aware_0.25"), ("cost_aware_auto_recenter", "cost_aware_0.25_recenter")]
+PAIRS += [("cost_aware_auto_recenter_loss_aware", "cost_aware_auto_recenter")]
 PAIRS += [("cost_aware_0.5_recenter", "cost_aware_0.5")]  # an option against its default (defaults_check.py)
 THEORY_KEYS = ("j_ratio_ideal", "j_ratio_achieved", "kept_token_fraction", "informative_fraction")
 
