@@ -3,7 +3,7 @@
     python benchmarks/defaults_check.py   # reads token_efficiency_{full,kept}_{default,long}.json (benchmarks/results)
 
 For every option with a default (the kept fraction `"auto"` with δ = 1 against the fixed fractions 0.5 and 0.25, the
-|A| proxy vs `loss_aware`, weights "none" vs "recenter", the default micro-batch layout vs
+|A| proxy vs `loss_aware`, the default weights "recenter" vs "none", the default micro-batch layout vs
 `cost_aware_full_micro_batches`, the default order vs `cost_aware_group_by_length`), the paired comparison of two arms
 of `benchmarks/token_efficiency.py` (alternative / default on their common seeds, from the per-seed rows of one
 results file): the ratio of policy tokens to the target and the difference in end accuracy at equal steps, each a mean
@@ -39,6 +39,12 @@ OPTIONS = [
     ("weights: recenter vs none (auto)", "cost_aware_auto_recenter", "cost_aware_auto", KEPT),
     ("weights: recenter vs none (fixed 0.5)", "cost_aware_0.5_recenter", "cost_aware_0.5", FULL),
     ("weights: recenter vs none (fixed 0.25)", "cost_aware_0.25_recenter", "cost_aware_0.25", KEPT),
+    (
+        "proxy: |A| vs loss_aware (auto, recentred)",
+        "cost_aware_auto_recenter",
+        "cost_aware_auto_recenter_loss_aware",
+        KEPT,
+    ),
     # measured at fixed 0.5 with weights "none" (the defaults of the matrix's time)
     ("proxy: |A| vs loss_aware (0.5, none)", "cost_aware_0.5", "cost_aware_0.5_loss_aware", FULL),
     ("layout: default vs full micro-batches (0.5, none)", "cost_aware_0.5", "cost_aware_0.5_full_micro", FULL),
