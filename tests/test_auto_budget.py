@@ -191,14 +191,13 @@ AUTO_OPTION_CASES = [
 
 
 def _auto_trainer(warm_model_path, dataset, tmp_path, loss_type, name):
-    options = {k: v for k, v in OPTIONS[name].items() if k != "cost_aware_kept_fraction"}
     return make_trainer(
         warm_model_path,
         dataset,
         tmp_path,
         loss_type=loss_type,
         micro=2,
-        **{**options, "cost_aware_kept_fraction": "auto", "cost_aware_budget_delta": 1.0},
+        **{**OPTIONS[name], "cost_aware_kept_fraction": "auto", "cost_aware_budget_delta": 1.0},
     )
 
 

@@ -112,8 +112,8 @@ class CostAwareGRPOConfig(GRPOConfig):
             `"recenter"` (w − mean + 1, floored at 0: the method as its users know it; a small bias for a lower
             variance, measured in tests/test_recenter.py), `"none"` (the Horvitz–Thompson weights: exactly unbiased for
             the policy term), `"self_normalize"` (w / mean); the mean is over the kept rows of all ranks. Chosen in
-            BENCHMARKS.md §5: with the `"auto"` kept fraction, recentred weights need 0.95× the tokens of `"none"` on
-            the long testbed (20 seeds) and the same on the short one.
+            BENCHMARKS.md §5: with the `"auto"` kept fraction, `"none"` needs 1.06× [1.03, 1.10] the tokens of
+            recentred weights on the long testbed (20 seeds) and the same on the short one.
         cost_aware_weight_floor (`float` or `None`, defaults to `None`):
             Lower clamp for the weights (≥ 0; `"recenter"` uses 0 when unset, since weights must stay non-negative).
         cost_aware_weight_cap (`float` or `None`, defaults to `None`):
@@ -193,9 +193,9 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_weight_normalization: str = field(
         default="recenter",
         metadata={
-            "help": "'recenter' (w - mean + 1, floored at 0; slightly biased, lower variance), 'none' (Horvitz-Thompson "
-            "weights, exactly unbiased for the policy term) or 'self_normalize' (w / mean); the mean is over the kept "
-            "rows of all ranks.",
+            "help": "'recenter' (w - mean + 1, floored at 0; slightly biased, lower variance), 'none' "
+            "(Horvitz-Thompson weights, exactly unbiased for the policy term) or 'self_normalize' (w / mean); the "
+            "mean is over the kept rows of all ranks.",
             "choices": list(WEIGHT_NORMALIZATIONS),
         },
     )
