@@ -23,10 +23,16 @@ def _flat(model):
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 
 
-def build(name: str, out: str, *, trace_every: int = 0, init: str = "shipped") -> dict:
+class _Stop(Exception):
+    pass
+
+
+def build(name: str, out: str, *, trace_every: int = 0, init: str = "shipped", stop_after: int = 0) -> dict:
     """Build `name`'s warm-up (`WARMUP_RECIPES`, seed 0) into `out` from the seed-0 tiny model (`init`: "shipped",
-    the packaged initial weights, or "recipe", `build_tiny_model(0)` on this machine); with `trace_every`, also save
-    the flattened parameters every that many optimizer steps (both phases, one counter) to ``out/trace.pt``."""
+    the packaged initial weights; "recipe", `build_tiny_model(0)` on this machine; or a ``model.safetensors`` path);
+    with `trace_every`, also save the flattened parameters every that many optimizer steps (both phases, one counter)
+    to ``out/trace.pt``. `stop_after` > 0 ends the build after that many steps (the schedule unchanged): a trace
+    only, no model."""
     import tempfile
 
     import torch
@@ -47,22 +53,29 @@ def build(name: str, out: str, *, trace_every: int = 0, init: str = "shipped") -
 
         def on_step_end(self, args, state, control, **kwargs):
             steps_done[0] += 1
-            if steps_done[0] % trace_every == 0:
+            if trace_every and steps_done[0] % trace_every == 0:
                 trace.append((steps_done[0], _flat(self.model)))
+            if stop_after and steps_done[0] >= stop_after:
+                raise _Stop
 
     original = trl.SFTTrainer
 
     class TracedSFT(original):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            if trace_every:
+            if trace_every or stop_after:
                 self.add_callback(Trace(self.model))
 
+    os.makedirs(out, exist_ok=True)
+    init_weights = {"shipped": weights_path("tiny"), "recipe": None}.get(init, init)
+    stopped = False
     with tempfile.TemporaryDirectory() as base:
-        write_model_dir(base, weights_path("tiny") if init == "shipped" else None, seed=0)
+        write_model_dir(base, init_weights, seed=0)
         trl.SFTTrainer = TracedSFT
         try:
             warmup._run_warmup(base, out, seed=0, steps=spec.steps, recipe=spec)
+        except _Stop:
+            stopped = True
         finally:
             trl.SFTTrainer = original
     if trace_every:
@@ -74,7 +87,8 @@ def build(name: str, out: str, *, trace_every: int = 0, init: str = "shipped") -
     info = {
         "recipe": name,
         "init": init,
-        "sha256": file_sha256(os.path.join(out, "model.safetensors")),
+        "stopped_after": steps_done[0] if stopped else None,
+        "sha256": None if stopped else file_sha256(os.path.join(out, "model.safetensors")),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "env": env,
         "torch": torch.__version__,
@@ -95,18 +109,18 @@ def max_abs_diff(file_a: str | os.PathLike, file_b: str | os.PathLike) -> float:
 
 
 def compare_traces(dir_a: str, dir_b: str) -> list[dict]:
-    """Per traced step: max |Δθ| and ‖Δθ‖ / ‖θ‖ between two traces of the same recipe."""
+    """Per step traced in both: max |Δθ| and ‖Δθ‖ / ‖θ‖ between two traces of the same recipe."""
     import torch
 
     a, b = torch.load(f"{dir_a}/trace.pt"), torch.load(f"{dir_b}/trace.pt")
-    if a["steps"] != b["steps"]:
-        raise ValueError("the traces were taken at different steps")
+    index_b = {step: i for i, step in enumerate(b["steps"])}
     rows = []
     for i, step in enumerate(a["steps"]):
-        d = (a["params"][i].double() - b["params"][i].double()).abs()
-        rows.append(
-            {"step": step, "max_abs": float(d.max()), "rel_l2": float(d.norm() / a["params"][i].double().norm())}
-        )
+        if step not in index_b:
+            continue
+        pa, pb = a["params"][i].double(), b["params"][index_b[step]].double()
+        d = (pa - pb).abs()
+        rows.append({"step": step, "max_abs": float(d.max()), "rel_l2": float(d.norm() / pa.norm())})
     return rows
 
 
@@ -115,7 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("recipe", nargs="?", choices=("default", "long"))
     parser.add_argument("--out", help="directory to build into")
     parser.add_argument("--trace", type=int, default=0, help="save the parameters every this many steps")
-    parser.add_argument("--init", default="shipped", choices=("shipped", "recipe"), help="the seed-0 tiny model")
+    parser.add_argument(
+        "--init", default="shipped", help='the seed-0 tiny model: "shipped", "recipe" or a model.safetensors path'
+    )
+    parser.add_argument("--stop-after", type=int, default=0, help="stop after this many steps (trace only)")
     parser.add_argument("--compare", nargs=2, metavar="DIR", help="compare two traced builds")
     args = parser.parse_args(argv)
     if args.compare:
