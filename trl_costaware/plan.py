@@ -229,9 +229,10 @@ class Plan:
     `rule_m` this rank's own count from the configured rule (before the cross-rank reduction and the cap);
     `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0), `global_filler` their
     filler flags. `kl_scale` the β multiplier
-    of a batch-token loss (None otherwise); `micro_tokens_full` the full batch's mean micro-batch loss tokens of a
-    micro-token loss (bnpo; None otherwise). `totals` the counters summed over ranks; `metrics` the logged values
-    (without the "cost_aware/" prefix)."""
+    of a batch-token loss (None otherwise; always > 0, and exactly 1 when the kept rows have no loss token);
+    `micro_tokens_full` the full batch's mean micro-batch loss tokens of a micro-token loss (bnpo; None otherwise, and
+    None when this rank's batch has no loss token: every micro-batch then keeps factor 1). `totals` the counters
+    summed over ranks; `metrics` the logged values (without the "cost_aware/" prefix)."""
 
     indices: torch.Tensor
     factors: torch.Tensor
@@ -304,8 +305,11 @@ def plan_batch(
 
     full_tokens = float(loss_tokens.sum())
     kept_tokens = float(loss_tokens[draw.indices].sum())
-    kl_scale = full_tokens / max(kept_tokens, 1.0) if normaliser.batch_tokens else None
-    micro_tokens_full = full_tokens / s.steps_per_generation if normaliser.micro_tokens else None
+    # Exact factors when the kept rows have no loss token (their loss and KL term are 0 whatever the factor): β keeps
+    # its value (KL scale 1, never 0: TRL's `if self.beta != 0.0` branch holds collectives, so β must not become 0 on
+    # one rank only), and bnpo's micro-batches keep factor 1 (no correction: micro_tokens_full None).
+    kl_scale = (full_tokens / kept_tokens if kept_tokens > 0 else 1.0) if normaliser.batch_tokens else None
+    micro_tokens_full = full_tokens / s.steps_per_generation if normaliser.micro_tokens and full_tokens > 0 else None
 
     local = rank_sums(
         advantages,
