@@ -158,7 +158,7 @@ def test_other_seeds_and_step_counts_run_the_recipe_from_the_shipped_init(tmp_pa
 # ---------------------------------------------------------------------------------------------------------------------
 # The shipped long model has the long testbed's properties (a fast version of `make diagnose-long`)
 
-DIAGNOSE_BATCHES = 2  # 256 rollouts; `make diagnose-long` samples 8 (1,024)
+DIAGNOSE_BATCHES = 8  # 1,024 rollouts, as `make diagnose-long` and the committed diagnostic (~10 s on one core)
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,7 @@ def long_stats(embedded_cache):
 def test_shipped_long_model_meets_the_rollout_criteria(long_stats):
     from trl_costaware.embedded.diagnose import CRITERIA
 
-    assert shipped.cache_name("long") in long_stats["model"]
+    assert long_stats["shipped"] and long_stats["weights_sha256"] == shipped.SHIPPED["long"].sha256
     for key in ("length_spread", "cap", "truncated", "wrong_over_right", "prompt_share"):
         label, rule, check = CRITERIA[key]
         assert check(long_stats[key]), f"{label}: {long_stats[key]:.3g}, criterion {rule}"
@@ -180,9 +180,11 @@ def test_shipped_long_model_meets_the_rollout_criteria(long_stats):
 
 @pytest.mark.slow
 def test_shipped_long_model_is_the_one_the_committed_diagnostic_measured(long_stats):
-    """The committed `diagnose_long_start.json` (1,024 rollouts) and these 256 (its first two batches) come from the
-    same model: every rate agrees within 3 standard errors of 256 draws (a build like the one that gave 30.9%
-    truncated and wrong/right 1.72 fails here)."""
+    """The committed `diagnose_long_start.json` and this sample come from the same model. On the machine that made
+    the file they are the same 1,024 rollouts; on another CPU the sampled tokens may differ, so the truncated share
+    and the mean reward must agree within 3 standard errors of 1,024 draws, the wrong/right length ratio within 0.25.
+    The build that gave 30.9% truncated and wrong/right 1.72 on another machine fails this, and so does a rebuild
+    under ``MKL_CBWR=COMPATIBLE`` that meets every criterion of the test above (30.0% truncated, mean reward 0.17)."""
     committed = json.loads((REPO / "benchmarks/results/diagnose_long_start.json").read_text())["rollouts"]
     n = long_stats["rollouts"]
     for key in ("truncated", "reward_mean"):

@@ -67,7 +67,10 @@ def build(name: str, out: str, *, trace_every: int = 0, init: str = "shipped") -
             trl.SFTTrainer = original
     if trace_every:
         torch.save({"steps": [s for s, _ in trace], "params": torch.stack([v for _, v in trace])}, f"{out}/trace.pt")
-    env = {k: os.environ.get(k) for k in ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")}
+    env = {
+        k: os.environ.get(k)
+        for k in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+    }
     info = {
         "recipe": name,
         "init": init,
