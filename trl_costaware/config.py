@@ -250,10 +250,10 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_layout: str = field(
         default="auto",
         metadata={
-            "help": "Micro-batch layout of the kept rows: 'packed' (each optimizer step's kept rows, sorted by length, "
-            "in as few micro-batches of up to per_device_train_batch_size rows as they need; the other micro-steps "
-            "are no-ops), 'even' (TRL's split: m / steps_per_generation rows per micro-step) or 'auto' ('packed', "
-            "or 'even' with cost_aware_full_micro_batches, an entropy bonus or a router aux loss).",
+            "help": "Micro-batch layout of the kept rows: 'packed' (each optimizer step's kept rows, sorted by "
+            "length, in as few micro-batches of up to per_device_train_batch_size rows as they need; the other "
+            "micro-steps are no-ops), 'even' (TRL's split: m / steps_per_generation rows per micro-step) or 'auto' "
+            "('packed', or 'even' with cost_aware_full_micro_batches, an entropy bonus or a router aux loss).",
             "choices": list(LAYOUTS),
         },
     )

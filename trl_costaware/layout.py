@@ -73,9 +73,9 @@ def resolve_layout(requested: str, full_micro_batches: bool = False, entropy_bon
 
     "auto" is "packed" unless `cost_aware_full_micro_batches` already fills the micro-batches (static layout: its
     micro-batches hold B kept rows, so there is nothing to pack) or TRL's entropy bonus is on (`entropy_coef != 0` or
-    `use_adaptive_entropy`: TRL adds it per micro-batch as that micro-batch's token mean, so fewer, fuller micro-batches
-    would change its total and the adaptive controller's window; the packed layout is proven equal only without it).
-    An explicit "packed" with either raises, naming the fields."""
+    `use_adaptive_entropy`: TRL adds it per micro-batch as that micro-batch's token mean, so fewer, fuller
+    micro-batches would change its total and the adaptive controller's window; the packed layout is proven equal
+    only without it). An explicit "packed" with either raises, naming the fields."""
     if requested not in LAYOUTS:
         raise ValueError(f"cost_aware_layout must be one of {LAYOUTS}, got {requested!r}")
     if requested == "even":
@@ -176,10 +176,11 @@ def packed_micro_steps(
 
     `order`: the m kept positions in the order that assigns them to runs (TRL's shuffle); `lengths[i]`: the tokens of
     kept row i (prompt + completion). Run s (`optimizer_segments`: positions [s·g, (s+1)·g)) trains on
-    order[s·q : (s+1)·q], q = m·g/S, packed by `pack_sorted` into n_s = ⌈q/capacity⌉ ≤ g micro-batches, which take the
-    run's LAST n_s positions: the micro-step that ends an optimizer step (and syncs the gradients) is then always a real
-    one; the first g − n_s positions are no-ops. Every rank has the same m, so the same positions are no-ops on every
-    rank. Raises ValueError when m is not a positive multiple of S/g or q > g·capacity (more rows than N)."""
+    order[s·q : (s+1)·q], q = m·g/S, packed by `pack_sorted` into n_s = ⌈q/capacity⌉ ≤ g micro-batches, which
+    take the run's LAST n_s positions: the micro-step that ends an optimizer step (and syncs the gradients) is then
+    always a real one; the first g − n_s positions are no-ops. Every rank has the same m, so the same positions are
+    no-ops on every rank. Raises ValueError when m is not a positive multiple of S/g or q > g·capacity (more rows
+    than N)."""
     count, g = optimizer_segments(steps_per_generation, gradient_accumulation_steps)
     m = len(order)
     if m < count or m % count:

@@ -148,7 +148,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, GRPOTrainer):
         self._batch_plan = None  # the plan of the latest generation batch (None: a subclass's own draw)
         self._kept_host = None  # host statistics of its kept rows, by kept position
         self._buffer_kl_scale = None  # β multiplier of the buffer being trained on (batch-token losses)
-        self._kept_batch = None  # the kept rows of the latest generation batch, until `_process_new_buffer` lays them out
+        self._kept_batch = None  # the latest generation batch's kept rows, until `_process_new_buffer` lays them out
         self._check_layout()
 
     # ------------------------------------------------------------------ generation batch: sample the rows
