@@ -9,9 +9,9 @@ steps_per_generation = 8), it trains, side by side in ONE process (or one launch
     even_auto       kept fraction "auto", even split
     packed_auto     kept fraction "auto", packed layout
 
-each for `--steps` optimizer steps (one generation batch each) from the same start and seed, on the embedded default
-testbed (the SFT-warmed tiny model, arithmetic prompts, its task reward, dapo loss). Per arm it counts, summed over
-ranks:
+each for `--steps` optimizer steps (one generation batch each) from the same start and seed, on the embedded long
+testbed (the SFT-warmed tiny model, counting prompts, completions of 2 to 96 tokens, its task reward, 8 rollouts per
+prompt, dapo loss; `trl_costaware.embedded.testbed.LONG_RECIPE` at B = 16). Per arm it counts, summed over ranks:
 
 - grad tokens: tokens through the model with gradients on (`input_ids.numel()` of every training forward with grad
   enabled: padding included, no-op micro-steps included where they run);
@@ -25,7 +25,9 @@ against the arm's own rollouts):
 
     kept share      = kept tokens / rollout tokens
     compute         = (grad tokens / rollout tokens) / (grpo's grad tokens / grpo's rollout tokens)
-    goal            compute <= 1.1 x kept share
+    target share    = the kept share of the packed arm of the same B and fraction: what the sampler keeps when the
+                      layout forces no extra rows (the even layout rounds m up to a multiple of 8)
+    goal            compute <= 1.1 x target share
     update time     = update seconds / grpo's update seconds (same run, same process)
 
 Backends: `single` (one process), `ddp`, `zero2`, `zero3` (2 CPU processes over gloo, the shipped accelerate configs
@@ -70,8 +72,9 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=2, help="optimizer steps (= generation batches) per arm")
     p.add_argument("--sizes", default=",".join(map(str, SIZES)))
     p.add_argument("--arms", default=",".join(ARMS))
-    p.add_argument("--num-generations", type=int, default=4)
+    p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=OUT, help="results prefix (.json, .md)")
     p.add_argument("--worker", action="store_true", help="(internal) train the arms in this process")
     p.add_argument("--worker-out", default=None)
     return p.parse_args(argv)
@@ -82,7 +85,7 @@ def _train_arm(arm, size, args, model_path, tokenizer):
     import torch
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-    from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward, max_completion_tokens
+    from trl_costaware.embedded.counting import LONG_MAX_COMPLETION_LENGTH, counting_dataset, counting_reward
 
     config = CostAwareGRPOConfig(
         output_dir=os.path.join("/tmp", f"batch_shapes_{os.getpid()}", f"{arm}_{size}"),
@@ -90,7 +93,7 @@ def _train_arm(arm, size, args, model_path, tokenizer):
         gradient_accumulation_steps=MICRO_STEPS,
         steps_per_generation=MICRO_STEPS,
         num_generations=args.num_generations,
-        max_completion_length=max_completion_tokens(),
+        max_completion_length=LONG_MAX_COMPLETION_LENGTH,
         max_steps=args.steps,
         learning_rate=1e-4,
         loss_type="dapo",
@@ -108,9 +111,9 @@ def _train_arm(arm, size, args, model_path, tokenizer):
     )
     trainer = CostAwareGRPOTrainer(
         model=model_path,
-        reward_funcs=arithmetic_reward,
+        reward_funcs=counting_reward,
         args=config,
-        train_dataset=arithmetic_dataset(4096, seed=args.seed),
+        train_dataset=counting_dataset(4096, seed=args.seed),
         processing_class=tokenizer,
     )
     counts = {"grad_tokens": 0, "grad_forwards": 0, "train_s": 0.0, "generate_s": 0.0}
@@ -167,7 +170,7 @@ def worker(args) -> int:
 
     from trl_costaware.embedded import warmed_up_model_path
 
-    model_path = warmed_up_model_path(seed=0)
+    model_path = warmed_up_model_path(seed=0, recipe="long")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     rank = int(os.environ.get("RANK", "0"))
     results = []
@@ -246,30 +249,35 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
         for row in arms.values():
             row["kept_row_fraction"] = row["rows_kept"] / row["rows_generated"]
             row["kept_share"] = row["kept_tokens"] / row["rollout_tokens"]
-            if grpo is None:
+        for name, row in arms.items():
+            if grpo is None or name == "grpo":
                 continue
+            packed = arms.get("packed_" + name.split("_", 1)[1])
             per_rollout = row["grad_tokens"] / row["rollout_tokens"]
             row["compute"] = per_rollout / (grpo["grad_tokens"] / grpo["rollout_tokens"])
             row["update_time"] = row["update_s"] / grpo["update_s"]
-            row["goal_met"] = row["compute"] <= GOAL * row["kept_share"]
+            if packed is not None:
+                row["target_share"] = packed["kept_share"]
+                row["goal_met"] = row["compute"] <= GOAL * row["target_share"]
     return rows
 
 
 def table(results: dict) -> str:
     lines = [
-        "| backend | B | arm | kept rows | kept share | compute vs GRPO | ≤ 1.1 × share | update s | update time vs "
-        "GRPO | forwards with grad |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| backend | B | arm | kept rows | kept share | target share | compute vs GRPO | compute ≤ 1.1 × target | "
+        "update s | update time vs GRPO | forwards with grad |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for backend in BACKENDS:
         if backend not in results:
             continue
         for row in results[backend]["rows"]:
-            goal = "—" if row["arm"] == "grpo" else ("yes" if row.get("goal_met") else "**no**")
+            goal = "—" if "goal_met" not in row else ("yes" if row["goal_met"] else "**no**")
+            nan = float("nan")
             lines.append(
                 f"| {backend} | {row['size']} | {row['arm']} | {row['kept_row_fraction']:.2f} | "
-                f"{row['kept_share']:.2f} | {row.get('compute', float('nan')):.2f} | {goal} | {row['update_s']:.1f} | "
-                f"{row.get('update_time', float('nan')):.2f} | {row['grad_forwards']} |"
+                f"{row['kept_share']:.2f} | {row.get('target_share', nan):.2f} | {row.get('compute', 1.0):.2f} | "
+                f"{goal} | {row['update_s']:.2f} | {row.get('update_time', 1.0):.2f} | {row['grad_forwards']} |"
             )
     return "\n".join(lines)
 
@@ -281,8 +289,8 @@ def main(argv=None) -> int:
     start = time.time()
     per_rank = _launch(args, os.path.join("/tmp", f"batch_shapes_{args.backend}_{os.getpid()}"))
     rows = summarise(per_rank)
-    os.makedirs(RESULTS, exist_ok=True)
-    path = OUT + ".json"
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    path = args.out + ".json"
     results = json.load(open(path)) if os.path.exists(path) else {}
     results[args.backend] = {
         "command": f"python benchmarks/batch_shapes.py --backend {args.backend} --steps {args.steps} --sizes "
@@ -295,7 +303,7 @@ def main(argv=None) -> int:
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1)
     md = table(results)
-    with open(OUT + ".md", "w") as fh:
+    with open(args.out + ".md", "w") as fh:
         fh.write(md + "\n")
     print(md)
     return 0

@@ -312,3 +312,27 @@ def test_packed_layout_under_ddp_and_zero3_matches_the_even_layout(tiny_model_pa
     assert results["ddp"]["records"][0]["kept"] == results["even"]["records"][0]["kept"] == [4, 4]
     assert max_diff(results["ddp"]["state"], results["even"]["state"]) <= ATOL
     assert max_diff(results["zero3"]["state"], results["ddp"]["state"]) <= ATOL
+
+
+def test_one_row_per_micro_batch_drops_rows_and_its_update_compute_falls_with_them(tmp_path, tiny_model_path):
+    """B = 1, 8 micro-steps, kept 0.5: the even layout cannot drop a row (m is a multiple of 8 = N), the packed layout
+    trains 4 of the 8 rows in 4 forwards, and the tokens through the model with gradients are the kept rows' tokens."""
+    options = dict(
+        per_device_train_batch_size=1,
+        gradient_accumulation_steps=8,
+        num_generations=8,
+        max_steps=1,
+        optim="adamw_torch",
+        max_grad_norm=1.0,
+    )
+    with pytest.warns(UserWarning, match="per_device_train_batch_size=1"):
+        even, _, even_shapes = _train(tmp_path, tiny_model_path, "even", cost_aware_layout="even", **options)
+    packed, _, packed_shapes = _train(tmp_path, tiny_model_path, "packed", **options)  # the default layout
+    assert packed._layout == "packed"
+    assert even._cost_aware_totals["rows_kept"] == 8 and len(even_shapes) == 8
+    assert packed._cost_aware_totals["rows_kept"] == 4 and len(packed_shapes) == 4
+    grad_tokens = sum(b * w for b, w in packed_shapes)
+    assert (
+        grad_tokens == packed._cost_aware_totals["policy_tokens"] == packed._cost_aware_totals["policy_tokens_padded"]
+    )
+    assert grad_tokens < 0.6 * sum(b * w for b, w in even_shapes)
