@@ -104,7 +104,7 @@ class PackedLayout:
                 chunk["advantages"] = chunk["advantages"] * beta_scale
             elif normaliser.micro_tokens:
                 beta_scale = token_mean_scale(tokens, run_tokens[position // g], g)
-                if plan is not None and plan.micro_tokens_full:
+                if plan is not None and plan.micro_tokens_full is not None:
                     chunk["advantages"] = chunk["advantages"] * (tokens / plan.micro_tokens_full)
             self._compute_deferred_logps(chunk)
             out.append(chunk)

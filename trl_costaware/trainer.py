@@ -325,7 +325,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
                 for p in positions
             ]
             chunks = [trim_to_longest(c, self.pad_to_multiple_of, w) for c, w in zip(chunks, widths, strict=True)]
-            if plan is not None and plan.micro_tokens_full:
+            if plan is not None and plan.micro_tokens_full is not None:
                 # bnpo: replace each micro-batch's own token count by the full batch's mean micro-batch count.
                 for c, p in zip(chunks, positions, strict=True):
                     tokens = float(host["loss_tokens"][p].sum()) if known else self._loss_mask(c).sum()
