@@ -53,6 +53,17 @@ def text_only_processing_class(model, processing_class, args):
     return processing_class
 
 
+def host_floats(values: list) -> list[float]:
+    """`values` (Python numbers and 0-d device tensors, mixed) as Python floats, in order: the tensors are read in one
+    device→host copy."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    device = tensors[0].device
+    read = iter(torch.stack([t.detach().to(device).reshape(()).float() for t in tensors]).cpu().tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
@@ -378,12 +389,13 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
 
     # ------------------------------------------------------------------ logging and checkpoints
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        flags = self._metrics["train"].get("cost_aware/grad_clipped")
-        if flags and isinstance(flags[0], torch.Tensor):  # one device→host copy per logging step
-            device = flags[0].device
-            self._metrics["train"]["cost_aware/grad_clipped"] = (
-                torch.stack([f.to(device).reshape(()) for f in flags]).cpu().tolist()
-            )
+        # TRL averages the window of the mode it logs and clears only that one: an evaluation-time `log` leaves the
+        # train window open, so the flags appended after it join floats already read. Read every flag still on the
+        # device (one device→host copy per logging step), whatever its position.
+        mode = "train" if self.model.training else "eval"
+        flags = self._metrics[mode].get("cost_aware/grad_clipped")
+        if flags:
+            self._metrics[mode]["cost_aware/grad_clipped"] = host_floats(flags)
         # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
         # eval curves can be drawn against policy tokens too.
         logs.update({f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items()})
