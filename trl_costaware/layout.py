@@ -128,7 +128,7 @@ def pack_sorted(lengths: Sequence[float], capacity: int) -> list[list[int]]:
 
         Σ_b |b| · max_{i ∈ b} L_i
 
-    (each micro-batch is padded to its longest row); a dynamic programme over the cut points, O(n · k · capacity).
+    (each micro-batch is padded to its longest row); a dynamic programme over the cut points, O(n · capacity²).
     Returns the groups in sorted order (the longest rows first); [] for no rows."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -144,7 +144,9 @@ def pack_sorted(lengths: Sequence[float], capacity: int) -> list[list[int]]:
     cut = [[0] * (k + 1) for _ in range(n + 1)]
     best[0][0] = 0.0
     for j in range(1, n + 1):
-        lo_i = j  # at least one row per group
+        # Rows i with j groups before and n − j groups of ≤ capacity after: a window of width n·capacity − k < capacity,
+        # so the programme costs O(n · capacity²) whatever k.
+        lo_i = max(j, k - (n - j) * capacity)
         hi_i = min(k, j * capacity)
         for i in range(lo_i, hi_i + 1):
             row_best, row_cut = inf, 0
