@@ -31,6 +31,7 @@ import torch
 
 from .budget import AUTO, inflation_terms, smallest_budget
 from .diagnostics import batch_metrics, rank_sums
+from .layout import kept_multiple, layout_of
 from .sampling import (
     Draw,
     capped_kept_count,
@@ -141,6 +142,11 @@ class PlanSettings:
     weight_cap: float | None = None
     steps_per_generation: int = 1
     zero_advantage_carries_gradient: bool = False
+    kept_multiple_of: int | None = None  # what m is rounded to (`layout.kept_multiple`); None: steps_per_generation
+
+    @property
+    def kept_multiple(self) -> int:
+        return self.kept_multiple_of or self.steps_per_generation
 
     def __post_init__(self):
         check_loss_type(self.loss_type)
@@ -166,6 +172,9 @@ class PlanSettings:
             weight_cap=args.cost_aware_weight_cap,
             steps_per_generation=args.steps_per_generation,
             zero_advantage_carries_gradient=zero_advantage_carries_gradient,
+            kept_multiple_of=kept_multiple(
+                layout_of(args), args.steps_per_generation, args.gradient_accumulation_steps
+            ),
         )
 
 
@@ -255,7 +264,7 @@ class Plan:
 def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, g, collective: Collective) -> tuple[int, int]:
     """(m, this rank's rule count). The rule's count is reduced over ranks (largest for "auto", so every rank and the
     step stay within δ; smallest otherwise) together with the eligible rows of the busiest rank, in one call."""
-    n, spg = len(rows), s.steps_per_generation
+    n, spg = len(rows), s.kept_multiple  # the layout's rounding of m (S for the even layout)
     auto = s.kept_fraction == AUTO
     if auto:
         m_local = smallest_budget(g, p, s.budget_delta, spg, s.draw)[0]
