@@ -1,18 +1,21 @@
-"""How the kept rows of a generation batch are laid out into micro-batches (pure arithmetic, no trainer).
+"""How the kept rows of a generation batch are laid out into micro-batches (pure arithmetic; docs/layout.md).
 
 TRL splits each rank's generation batch of N = B · S rows (B = `per_device_train_batch_size`, S =
-`steps_per_generation`) into S micro-batches of B rows. Cost-aware sampling keeps m = f · N of them, so by default
-each micro-batch holds f · B rows and there are as many micro-batches as before. On an accelerator a micro-batch of few
-rows costs nearly as much as a full one (kernel launches, the per-step weight-gradient work, which scales with the
-parameter count rather than the tokens), so the update time falls much less than the tokens.
+`steps_per_generation`) into S micro-batches of B rows. Cost-aware sampling keeps m of them. Three layouts:
 
-The full layout keeps the generation batch and the sample, and changes only how they are cut:
+- "even" (TRL's split of the m rows): m/S rows in every micro-step, so m is a multiple of S (at B = 1 nothing can be
+  dropped) and every micro-step still runs, with fewer rows.
+- "packed" (`packed_micro_steps`, the default through `cost_aware_layout="auto"`): each optimizer step's kept rows,
+  sorted by length, in as few micro-batches of up to B rows as they need; the optimizer step's other micro-steps are
+  no-ops. m is a multiple of the number of optimizer steps per generation batch only (`kept_multiple`).
+- the full layout (`cost_aware_full_micro_batches`, `full_micro_batch_layout`): for a fixed fraction f, the config
+  itself is rewritten,
 
     B' = B / f,    S' = f · S,    G' = f · G      (G = `gradient_accumulation_steps`)
 
-so the generation batch is B' · S' = B · S rows as before, the m = f · B · S kept rows fill S' micro-batches of
-f · B' = B rows each, and each optimizer step takes G' micro-steps instead of G (one generation batch per optimizer
-step stays one). B, S and G must make B', S' and G' whole numbers.
+  so the generation batch is B' · S' = B · S rows as before, the m = f · B · S kept rows fill S' micro-batches of
+  f · B' = B rows each, and each optimizer step takes G' micro-steps instead of G. B, S and G must make B', S' and G'
+  whole numbers.
 """
 
 from __future__ import annotations
