@@ -1,18 +1,21 @@
-"""How the kept rows of a generation batch are laid out into micro-batches (pure arithmetic, no trainer).
+"""How the kept rows of a generation batch are laid out into micro-batches (pure arithmetic; docs/layout.md).
 
 TRL splits each rank's generation batch of N = B · S rows (B = `per_device_train_batch_size`, S =
-`steps_per_generation`) into S micro-batches of B rows. Cost-aware sampling keeps m = f · N of them, so by default
-each micro-batch holds f · B rows and there are as many micro-batches as before. On an accelerator a micro-batch of few
-rows costs nearly as much as a full one (kernel launches, the per-step weight-gradient work, which scales with the
-parameter count rather than the tokens), so the update time falls much less than the tokens.
+`steps_per_generation`) into S micro-batches of B rows. Cost-aware sampling keeps m of them. Three layouts:
 
-The full layout keeps the generation batch and the sample, and changes only how they are cut:
+- "even" (TRL's split of the m rows): m/S rows in every micro-step, so m is a multiple of S (at B = 1 nothing can be
+  dropped) and every micro-step still runs, with fewer rows.
+- "packed" (`packed_micro_steps`, the default through `cost_aware_layout="auto"`): each optimizer step's kept rows,
+  sorted by length, in as few micro-batches of up to B rows as they need; the optimizer step's other micro-steps are
+  no-ops. m is a multiple of the number of optimizer steps per generation batch only (`kept_multiple`).
+- the full layout (`cost_aware_full_micro_batches`, `full_micro_batch_layout`): for a fixed fraction f, the config
+  itself is rewritten,
 
     B' = B / f,    S' = f · S,    G' = f · G      (G = `gradient_accumulation_steps`)
 
-so the generation batch is B' · S' = B · S rows as before, the m = f · B · S kept rows fill S' micro-batches of
-f · B' = B rows each, and each optimizer step takes G' micro-steps instead of G (one generation batch per optimizer
-step stays one). B, S and G must make B', S' and G' whole numbers.
+  so the generation batch is B' · S' = B · S rows as before, the m = f · B · S kept rows fill S' micro-batches of
+  f · B' = B rows each, and each optimizer step takes G' micro-steps instead of G. B, S and G must make B', S' and G'
+  whole numbers.
 """
 
 from __future__ import annotations
@@ -123,47 +126,23 @@ def kept_multiple(layout: str, steps_per_generation: int, gradient_accumulation_
 
 def pack_sorted(lengths: Sequence[float], capacity: int) -> list[list[int]]:
     """The indices of `lengths` in as few micro-batches of at most `capacity` rows as they need, n = ⌈k/capacity⌉:
+    rows sorted longest first (stable), cut into contiguous groups of sizes
 
-    rows sorted longest first (stable), cut into n contiguous groups, the cut minimising the padded tokens
+        [k − (n − 1)·capacity, capacity, ..., capacity]
 
-        Σ_b |b| · max_{i ∈ b} L_i
-
-    (each micro-batch is padded to its longest row); a dynamic programme over the cut points, O(n · capacity²).
-    Returns the groups in sorted order (the longest rows first); [] for no rows."""
+    (the one short group takes the longest rows, so fewer rows are padded to the longest). The sizes depend on k and
+    `capacity` only, never on the lengths: every rank packs the same k rows into micro-batches of the same sizes, which
+    TRL's loss needs (it gathers per-row tensors of each micro-batch across ranks). Returns [] for no rows."""
     if capacity < 1:
         raise ValueError(f"capacity must be >= 1, got {capacity}")
     k = len(lengths)
     if k == 0:
         return []
     order = sorted(range(k), key=lambda i: -float(lengths[i]))
-    sorted_lengths = [float(lengths[i]) for i in order]
     n = -(-k // capacity)
-    inf = math.inf
-    # best[j][i]: least cost of the first i sorted rows in j groups; cut[j][i]: where the j-th group starts.
-    best = [[inf] * (k + 1) for _ in range(n + 1)]
-    cut = [[0] * (k + 1) for _ in range(n + 1)]
-    best[0][0] = 0.0
-    for j in range(1, n + 1):
-        # Rows i with j groups before and n − j groups of ≤ capacity after: a window of width n·capacity − k < capacity,
-        # so the programme costs O(n · capacity²) whatever k.
-        lo_i = max(j, k - (n - j) * capacity)
-        hi_i = min(k, j * capacity)
-        for i in range(lo_i, hi_i + 1):
-            row_best, row_cut = inf, 0
-            for t in range(max(j - 1, i - capacity), i):
-                prev = best[j - 1][t]
-                if prev == inf:
-                    continue
-                cost = prev + (i - t) * sorted_lengths[t]  # rows t..i-1; the longest is row t
-                if cost < row_best:
-                    row_best, row_cut = cost, t
-            best[j][i], cut[j][i] = row_best, row_cut
-    groups, i = [], k
-    for j in range(n, 0, -1):
-        t = cut[j][i]
-        groups.append(order[t:i])
-        i = t
-    return groups[::-1]
+    first = k - (n - 1) * capacity
+    bounds = [0] + [first + j * capacity for j in range(n)]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def packed_micro_steps(
