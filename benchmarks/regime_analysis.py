@@ -111,12 +111,18 @@ def analyse_cell(cell: str, root: str) -> dict:
                 "end_equal_steps": _end_within(c, "step", steps),
                 "grpo_end": _end(grpo[s]),
             }
-            for k in SPLIT_NAMES:
-                row[f"end_equal_compute_{k}"] = _end_within(
-                    c, f"compute_{k}", w[k].compute(g[-1]["generated_tokens"], g[-1]["policy_tokens"])
+            matched = arm == "grpo" or (by_seed[s].get("key") or {}).get("budget") is not None
+            for k in SPLIT_NAMES:  # arms not given GRPO's compute (GRPO-half, the property's arm): n/a
+                row[f"end_equal_compute_{k}"] = (
+                    None
+                    if not matched
+                    else _end_within(
+                        c, f"compute_{k}", w[k].compute(g[-1]["generated_tokens"], g[-1]["policy_tokens"])
+                    )
                 )
                 row[f"step_cost_{k}"] = w[k].compute(c[-1]["generated_tokens"], c[-1]["policy_tokens"]) / run_steps
-            if row["update_share"] is not None and update_share(grpo[s]) is not None:
+            same_gen = abs((c[-1]["generated_tokens"] / run_steps) / (g[-1]["generated_tokens"] / steps) - 1) < 0.1
+            if same_gen and row["update_share"] is not None and update_share(grpo[s]) is not None:
                 row["step_cost_phase"] = phase_step_cost(row["update_share"], update_share(grpo[s]))
             if hit:
                 row.update({f"to_target_{k}": v for k, v in hit.items()})
