@@ -11,8 +11,9 @@
 4. the draw (`sampling.draw_rows`); when this rank has fewer eligible rows than m, the remaining slots go to the
    cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
 5. the weights: the draw's unbiasing weights of the kept non-filler rows of all ranks, normalised together
-   (`sampling.normalize_weights`); filler rows get weight 0 and stay out of the mean, the floor/cap and the weight
-   metrics;
+   (`sampling.normalize_weights`) around the design's expected mean weight w̄₀ of those slots
+   (`sampling.design_weight_terms`, summed over ranks: |S|/N on one rank, not 1, since rows outside S are never
+   drawn); filler rows get weight 0 and stay out of the mean, the centre, the floor/cap and the weight metrics;
 6. the per-row factor that multiplies each kept row's advantage: the weight times the loss type's correction from
    `LOSS_NORMALISERS`;
 7. the metrics of the draw (`diagnostics`), summed over ranks.
@@ -33,6 +34,7 @@ from .diagnostics import batch_metrics, rank_sums
 from .sampling import (
     Draw,
     capped_kept_count,
+    design_weight_terms,
     draw_rows,
     eligible_rows,
     gradient_proxy,
@@ -290,11 +292,16 @@ def plan_batch(
     draw = draw_rows(p, m, s.draw, generator, filler=filler_score)
     filler = ~eligible[draw.indices]
 
-    # Normalise over the kept non-filler slots of all ranks (every rank has m slots, so the concatenation is even).
-    both = collective.cat(torch.stack([draw.weights.double(), filler.double()], dim=1))
+    # Normalise over the kept non-filler slots of all ranks (every rank has m slots, so the concatenation is even),
+    # centred at the design's expected mean weight w̄₀: each slot also carries 1/m of its rank's two design sums.
+    expected_sum, slots = design_weight_terms(draw.probabilities, eligible, m, s.draw)
+    design = torch.tensor([expected_sum / m, slots / m], dtype=torch.float64).expand(m, 2)
+    both = collective.cat(torch.cat([torch.stack([draw.weights.double(), filler.double()], dim=1), design], dim=1))
     all_weights, all_filler = both[:, 0], both[:, 1] > 0
+    total_slots = float(both[:, 3].sum())
+    center = float(both[:, 2].sum()) / total_slots if total_slots > 0 else 1.0
     normalised, stats = normalize_weights(
-        all_weights[~all_filler], s.weight_normalization, s.weight_floor, s.weight_cap
+        all_weights[~all_filler], s.weight_normalization, s.weight_floor, s.weight_cap, center=center
     )
     global_weights = torch.zeros_like(all_weights)
     global_weights[~all_filler] = normalised
@@ -330,6 +337,7 @@ def plan_batch(
         den = total["inflation_den"]
         metrics["budget_inflation"] = total["inflation_num"] / den if den > 0 else 0.0
     metrics.update(stats.as_dict(prefix="weight_"))
+    metrics["weight_center"] = center
     totals = {k: total[k] for k in ("rows", "kept", "rollout_tokens", "generated_tokens", "policy_tokens")}
     return Plan(
         indices=draw.indices,
