@@ -36,7 +36,6 @@ import json
 import math
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -129,6 +128,9 @@ def run_one(name, spec, seed, root, *, testbed, steps, model_path=None, budget=N
             cached = json.load(fh)
         if cached.get("key") == key:
             return cached
+    stale = os.path.join(out, "cost_aware_metrics.jsonl")  # a run killed before its result: start it afresh
+    if os.path.exists(stale):
+        os.remove(stale)
     cls, needed = common.trainer_for(spec["trainer"])
     if budget is not None:
         cls = _with_budget(cls, *budget)
@@ -334,7 +336,9 @@ def grpo_split_weights(grpo_runs: dict[int, dict], seed: int, steps: int) -> dic
     return {k: token_weights(s, gen, pol) for k, s in splits.items()}
 
 
-def run_cell(cell, arms, seeds, root, steps, smoke=False) -> None:
+def setup_cell(cell, root, seeds, steps, smoke=False) -> dict | None:
+    """Measure the cell's property (a late checkpoint, a variance candidate) and write its record; the run context,
+    or None when no candidate has the property."""
     testbed, _ = CELLS[cell]
     extra, model_path, cell_root, prop = cell_setup(cell, root, seeds, steps, smoke)
     record = {"cell": cell, "testbed": testbed, "extra": extra, "model_path": model_path, "runs": cell_root, **prop}
@@ -343,45 +347,43 @@ def run_cell(cell, arms, seeds, root, steps, smoke=False) -> None:
         json.dump(record, fh, indent=1)
     if extra is None:
         print(f"{cell}: no candidate has the property; no arms run", flush=True)
-        return
+        return None
     eval_n = SMOKE_EVAL_N if smoke else common.HELDOUT_N
-    t0 = time.perf_counter()
-    for seed in seeds:  # GRPO first (every arm's compute is its GRPO's), then seed-major: a partial matrix is usable
-        run_one(
-            "grpo",
-            arm_spec("grpo", testbed, extra),
-            seed,
-            cell_root,
-            testbed=testbed,
-            steps=steps,
-            model_path=model_path,
-            eval_n=eval_n,
-        )
-    for seed in seeds:
-        for arm in arms:
-            if arm == "grpo":
-                continue
-            weights = grpo_split_weights(load_cell_runs(cell_root)["grpo"], seed, steps)
-            budget = (list(weights.values()), float(steps))
-            floor = min(w.split.generation for w in weights.values())
-            max_steps = int(math.ceil(steps / max(floor, 0.05)))
-            r = run_one(
-                arm,
-                arm_spec(arm, testbed, extra),
-                seed,
-                cell_root,
-                testbed=testbed,
-                steps=max_steps,
-                model_path=model_path,
-                budget=budget,
-                eval_n=eval_n,
-            )
-            print(
-                f"{cell} {arm} s{seed}: {r['steps']} max steps, stopped at {r['curve'][-1]['step']}, held-out "
-                f"{r['heldout_acc_start']:.3f} -> {r['heldout_acc_end']:.3f} "
-                f"({time.perf_counter() - t0:.0f}s)",
-                flush=True,
-            )
+    return {
+        "cell": cell,
+        "testbed": testbed,
+        "extra": extra,
+        "model_path": model_path,
+        "root": cell_root,
+        "steps": steps,
+        "eval_n": eval_n,
+    }
+
+
+def run_in_cell(ctx: dict, arm: str, seed: int) -> dict:
+    """GRPO for `steps`; any other arm with the same seed's GRPO compute as its budget (GRPO must have run)."""
+    steps, kw = ctx["steps"], {"testbed": ctx["testbed"], "model_path": ctx["model_path"], "eval_n": ctx["eval_n"]}
+    spec = arm_spec(arm, ctx["testbed"], ctx["extra"])
+    if arm == "grpo":
+        return run_one("grpo", spec, seed, ctx["root"], steps=steps, **kw)
+    weights = grpo_split_weights(load_cell_runs(ctx["root"])["grpo"], seed, steps)
+    floor = min(w.split.generation for w in weights.values())
+    max_steps = int(math.ceil(steps / max(floor, 0.05)))
+    r = run_one(arm, spec, seed, ctx["root"], steps=max_steps, budget=(list(weights.values()), float(steps)), **kw)
+    print(
+        f"{ctx['cell']} {arm} s{seed}: {r['steps']} max steps, stopped at {r['curve'][-1]['step']}, held-out "
+        f"{r['heldout_acc_start']:.3f} -> {r['heldout_acc_end']:.3f}",
+        flush=True,
+    )
+    return r
+
+
+def schedule(cells: list[str], arms: list[str], seeds: list[int]) -> list[tuple[str, str, int]]:
+    """(cell, arm, seed) in run order: GRPO for every seed of every cell first (each arm's budget is its GRPO's
+    compute), then arm-major (arms in the given order, the package default first), seed, cell: a partial matrix
+    holds the first arms in every cell at the same seeds."""
+    order = [(c, "grpo", s) for s in seeds for c in cells]
+    return order + [(c, a, s) for a in arms if a != "grpo" for s in seeds for c in cells]
 
 
 def load_cell_runs(cell_root: str) -> dict[str, dict[int, dict]]:
@@ -425,11 +427,14 @@ def main(argv=None):
     command = " ".join(["python benchmarks/regime_matrix.py", *(argv if argv is not None else sys.argv[1:])])
     from trl_costaware.embedded.testbed import get_testbed
 
-    for cell in cells:
-        cell_steps = steps or get_testbed(CELLS[cell][0]).steps
-        if not args.analyze_only:
-            run_cell(cell, arms, seeds, root, cell_steps, smoke=args.smoke)
-        write_results(root, cells, tag, command, results)
+    if not args.analyze_only:
+        contexts = {}
+        for cell in cells:
+            contexts[cell] = setup_cell(cell, root, seeds, steps or get_testbed(CELLS[cell][0]).steps, args.smoke)
+            write_results(root, cells, tag, command, results)
+        for cell, arm, seed in schedule([c for c in cells if contexts[c]], arms, seeds):
+            run_in_cell(contexts[cell], arm, seed)
+            write_results(root, cells, tag, command, results)
     res = write_results(root, cells, tag, command, results)
     print(res["markdown"])
     return res
