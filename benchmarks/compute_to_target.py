@@ -16,8 +16,9 @@ tokens to the target (as `token_efficiency.py` interpolates them), and compute t
   measured wall-to-target ratio for reference (absolute seconds: noisy between runs on a shared machine).
 
 The break-even steps ratio 1 / c (c = the arm's step cost relative to GRPO's under the split) is the steps ratio above
-which the arm costs more than GRPO to the target. Arms with recentred weights are left out (issue 26 item 1: their
-runs were made with weights centred at 1, which scales the gradient by N/|S|); they are rerun after the fix.
+which the arm costs more than GRPO to the target. Arms with recentred weights from runs made before the recentring fix
+are left out (issue 26 item 1: weights centred at 1, which scales the gradient by N/|S|); the reruns after the fix
+(`token_efficiency_recenter_fix_<testbed>.json`, `--tag recenter_fix_<testbed>`) are read when present.
 Writes `benchmarks/results/compute_to_target.{md,json}`.
 """
 
@@ -46,28 +47,39 @@ FILES = {
     "default": ("token_efficiency_full_default.json", "token_efficiency_kept_default.json"),
     "long": ("token_efficiency_full_long.json", "token_efficiency_kept_long.json"),
 }
+# Runs made after the recentring fix (read when present): their recentred arms are used.
+POST_FIX = {tb: (f"token_efficiency_recenter_fix_{tb}.json",) for tb in FILES}
 STEPS = 40
 SPLIT_KEYS = ("cpu", "gpu", "gpu_gen77")
 
 
-def excluded(arm: str) -> str | None:
-    """Why an arm's committed runs are not used (None: used)."""
-    if "recenter" in arm:
-        return "recentred weights: rerun after the recentring fix (issue 26 item 1)"
+def excluded(arm: str, fname: str) -> str | None:
+    """Why an arm's runs in a results file are not used (None: used)."""
+    if "recenter" in arm and fname not in POST_FIX_NAMES:
+        return "recentred weights, run before the recentring fix: rerun after it (issue 26 item 1)"
     return None
 
 
-def arms_of(testbed: str) -> dict[str, tuple[dict, dict]]:
-    """arm -> (its entry, the GRPO entry of the same results file); per arm the file with more seeds."""
-    out: dict[str, tuple[dict, dict]] = {}
-    for name in FILES[testbed]:
+POST_FIX_NAMES = {n for names in POST_FIX.values() for n in names}
+
+
+def arms_of(testbed: str) -> tuple[dict[str, tuple[dict, dict, str]], dict[str, str]]:
+    """(arm -> (its entry, the GRPO entry of the same results file, the file), arm -> why left out): per arm the
+    usable file with the most seeds (post-fix files when present)."""
+    out: dict[str, tuple[dict, dict, str]] = {}
+    left_out: dict[str, str] = {}
+    names = [n for n in FILES[testbed] + POST_FIX[testbed] if os.path.exists(os.path.join(common.RESULTS, n))]
+    for name in names:
         with open(os.path.join(common.RESULTS, name), encoding="utf-8") as fh:
             res = json.load(fh)
         grpo = res["arms"]["grpo"]
         for arm, entry in res["arms"].items():
-            if arm not in out or entry["n"] > out[arm][0]["n"]:
+            why = excluded(arm, name)
+            if why:
+                left_out[arm] = why
+            elif arm not in out or entry["n"] > out[arm][0]["n"]:
                 out[arm] = (entry, grpo, name)
-    return out
+    return out, {a: w for a, w in left_out.items() if a not in out}
 
 
 def splits_for(grpo: dict) -> dict:
@@ -116,7 +128,7 @@ def analyse_arm(entry: dict, grpo: dict, splits: dict) -> dict:
 def analyse() -> dict:
     out = {"testbeds": {}}
     for tb in FILES:
-        arms = arms_of(tb)
+        arms, left_out = arms_of(tb)
         _, grpo, _ = arms["grpo"]
         splits = splits_for(grpo)
         g_steps = bootstrap_ci([r["to_target_step"] for r in grpo["per_seed"] if r.get("reached")])
@@ -125,9 +137,9 @@ def analyse() -> dict:
             "generated": float(np.mean([r["generated_tokens"] / STEPS for r in grpo["per_seed"]])),
             "policy": float(np.mean([r["policy_tokens"] / STEPS for r in grpo["per_seed"]])),
         }
-        t["excluded"] = {a: excluded(a) for a in arms if excluded(a)}
+        t["excluded"] = left_out
         for arm, (entry, g, fname) in arms.items():
-            if arm == "grpo" or excluded(arm):
+            if arm == "grpo":
                 continue
             t["arms"][arm] = {"file": fname, **analyse_arm(entry, g, splits)}
         out["testbeds"][tb] = t
