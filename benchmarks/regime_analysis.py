@@ -29,6 +29,7 @@ from token_efficiency import TARGET_FRACTION, bootstrap_ci, update_share
 from trl_costaware.compare.compute import phase_step_cost
 
 TOLERANCE = 0.01
+MIN_SEEDS = 3  # fewer seeds in a cell: no claim there (the setting cannot pass it)
 CONSERVATIVE_ORDER = ("cost_aware_0.5", "cost_aware_0.5_recenter", "cost_aware_auto", "cost_aware_auto_recenter")
 CONSERVATIVE_ORDER += ("cost_aware_0.25",)
 SPLIT_NAMES = ("cpu", "gpu", "gpu_gen77")
@@ -166,7 +167,9 @@ def decide(cells: list[dict], split: str) -> dict:
             end_ok = end[0] is not None and end[0] >= -TOLERANCE
             noise = end[1] is not None and end[1] < -TOLERANCE <= end[2]
             ratio = a[f"ratio_compute_{split}"]
+            claim = a["n"] >= MIN_SEEDS
             per[c["cell"]] = {
+                "claim": claim,
                 "n": a["n"],
                 "reached": f"{a['reached']}/{a['n']}",
                 "reach_ok": reach_ok,
@@ -174,7 +177,7 @@ def decide(cells: list[dict], split: str) -> dict:
                 "end_ok": end_ok,
                 "end_within_noise": noise,
                 "compute_ratio": ratio,
-                "passes": end_ok and reach_ok is not False,
+                "passes": claim and end_ok and reach_ok is not False,
             }
         table[arm] = per
     cell_names = [c["cell"] for c in run]
@@ -189,7 +192,11 @@ def decide(cells: list[dict], split: str) -> dict:
     else:
         ok = [a for a in CONSERVATIVE_ORDER if a in table and any(v.get("passes") for v in table[a].values())]
         choice = ok[0] if ok else None
-        how = "no setting passes every cell: the most conservative one that passes any" if ok else "none passes"
+        how = (
+            "no setting passes every cell: the most conservative one that passes any"
+            if ok
+            else (f"none passes (a cell with fewer than {MIN_SEEDS} seeds of a setting makes no claim)")
+        )
     favour = {}
     for c in cell_names:
         ok = [a for a in arms if table[a].get(c, {}).get("passes")]
@@ -197,6 +204,7 @@ def decide(cells: list[dict], split: str) -> dict:
     return {
         "split": split,
         "cells": cell_names,
+        "cells_not_run": [c["cell"] for c in cells if c.get("status") != "run"],
         "table": table,
         "passing": passing,
         "choice": choice,
@@ -267,7 +275,9 @@ def markdown(res: dict) -> str:
         lines += [
             "",
             f"Decision under the {d['split']} split: **{d['choice'] or 'no setting'}** ({d['how']}). "
-            f"Cells: {', '.join(d['cells']) or 'none'}.",
+            f"Cells: {', '.join(d['cells']) or 'none'}"
+            + (f"; not run: {', '.join(d['cells_not_run'])}" if d["cells_not_run"] else "")
+            + f". A setting with fewer than {MIN_SEEDS} seeds in a cell makes no claim there.",
             "",
         ]
         lines += [
@@ -281,7 +291,7 @@ def markdown(res: dict) -> str:
                 if v.get("status") == "not run":
                     cells.append("not run")
                     continue
-                mark = "pass" if v["passes"] else "FAIL"
+                mark = "pass" if v["passes"] else ("FAIL" if v["claim"] else f"no claim ({v['n']} seeds)")
                 if v["end_within_noise"]:
                     mark += " (end within noise of the tolerance)"
                 cells.append(
@@ -299,6 +309,8 @@ def _num(v, fmt="{:.2f}"):
 
 
 def _property(c: dict) -> str:
+    if c.get("status") == "not run":
+        return "not run"
     rec = c.get("record") or {}
     if c.get("kind") == "late" and "checkpoint" in rec:
         k = rec["checkpoint"]
