@@ -92,7 +92,7 @@ clean:
 BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 QUICK ?=
 
-.PHONY: bench bench-quick bench-sgd bench-subset bench-token-efficiency bench-proxy-fidelity bench-overhead
+.PHONY: bench bench-quick bench-sgd bench-subset bench-token-efficiency bench-proxy-fidelity bench-overhead bench-regime
 
 bench-sgd: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/cost_aware_sgd.py $(QUICK) $(if $(QUICK),--out benchmarks/results/tmp,)
@@ -108,6 +108,15 @@ bench-proxy-fidelity: $(STAMP)
 
 bench-overhead: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/overhead.py $(QUICK)
+
+# The regime matrix (BENCHMARKS.md §6: cells chosen by a measured property, every arm at GRPO's compute, the decision
+# per compute split) and compute to target from the committed token-efficiency runs (§7). `make bench-regime QUICK=1`
+# is the smoke version (tiny batches, 3 steps; results beside its runs in outputs/bench/regime_matrix_smoke).
+#   make bench-regime REGIME_ARGS="--cells default_late --arms grpo,cost_aware_auto --seeds 5"
+REGIME_ARGS ?=
+bench-regime: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py $(if $(QUICK),--smoke,) $(REGIME_ARGS)
+	$(BENCH_ENV) $(BIN)/python benchmarks/compute_to_target.py
 
 bench: bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-overhead
 

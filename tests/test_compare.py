@@ -412,3 +412,115 @@ def test_noise_rule_pieces():
     assert not two.improved and two.lo < 0
     assert not baseline_improvement([[0.0, 1.0]]).improved  # 2 points: no noise estimate
     assert not baseline_improvement([]).improved
+
+
+# ---------------------------------------------------------------------------------------------------- compute
+def synthetic_steps(name, steps, ys, cost_aware, gen_per_step, policy_per_step, seed=0):
+    """A run logged once per step with cumulative generated and policy tokens at constant rates per step."""
+    rows = [
+        {
+            "step": s,
+            "reward": float(y),
+            "wall_time": float(s),
+            "cost_aware/generated_tokens": float(gen_per_step * s),
+            "cost_aware/policy_tokens": float(policy_per_step * s),
+        }
+        for s, y in zip(steps, ys, strict=True)
+    ]
+    info = {"arm": "cost_aware" if cost_aware else "baseline", "cost_aware": cost_aware, "seed": seed}
+    return RunHistory(name=name, source=name, kind="local", rows=rows, info=info)
+
+
+def test_compute_weights_calibrate_the_baseline_step_to_one():
+    from trl_costaware.compare import GPU_VERL, token_weights
+
+    w = token_weights(GPU_VERL, gen_per_step=500.0, policy_per_step=2000.0)
+    assert w.compute(500.0, 2000.0) == pytest.approx(1.0)
+    assert w.gen == pytest.approx(0.55 / 500) and w.policy == pytest.approx(0.45 / 2000)  # passes + update
+    assert w.compute(500.0, 1000.0) == pytest.approx(0.55 + 0.45 * 0.5)  # half the policy tokens
+
+
+def test_step_cost_and_break_even():
+    from trl_costaware.compare import GPU_GEN77, GPU_VERL, break_even_steps_ratio, cpu_split, step_cost
+
+    assert step_cost(1.0, GPU_VERL) == pytest.approx(1.0)
+    assert step_cost(0.3, GPU_VERL) == pytest.approx(0.55 + 0.45 * 0.3)
+    assert break_even_steps_ratio(0.3, GPU_VERL) == pytest.approx(1 / 0.685)
+    assert GPU_GEN77.generation + GPU_GEN77.passes + GPU_GEN77.update == pytest.approx(1.0)
+    # The CPU-like (update-heavy) split breaks even later than the GPU splits, which break even later than gen 77%.
+    cpu = cpu_split(0.55)
+    assert (
+        break_even_steps_ratio(0.3, cpu)
+        > break_even_steps_ratio(0.3, GPU_VERL)
+        > break_even_steps_ratio(0.3, GPU_GEN77)
+    )
+    assert break_even_steps_ratio(0.5, cpu_split(0.55)) == pytest.approx(1 / (0.45 + 0.55 * 0.5))
+
+
+def test_parse_split_and_phase_cost():
+    from trl_costaware.compare import GPU_VERL, parse_split, phase_step_cost
+
+    assert parse_split("gpu") is GPU_VERL
+    assert parse_split("cpu:0.55").update == pytest.approx(0.55) and parse_split("cpu:0.55").passes == 0
+    custom = parse_split("gen=0.6,passes=0.1,update=0.3")
+    assert (custom.generation, custom.passes, custom.update) == pytest.approx((0.6, 0.1, 0.3))
+    for bad in ("gen=0.6,update=0.3", "gen=0.5,foo=0.5", "nonsense", "cpu:1.5"):
+        with pytest.raises(ValueError):
+            parse_split(bad)
+    # GRPO's update is 55% of its step; an arm whose update is 30% of its own (same generation) costs 0.45/0.70.
+    assert phase_step_cost(0.30, 0.55) == pytest.approx(0.45 / 0.70)
+
+
+def test_compare_reports_compute_to_target_and_break_even():
+    """Baseline: 1000 generated + 1000 policy tokens per step, reaches 1.0 at step 4. Cost-aware: the same generation,
+    a quarter of the policy tokens, reaches 1.0 at step 5. Under verl's split (generation 55%) its step costs
+    0.55 + 0.45 / 4 = 0.6625 of the baseline's, so its compute to the target is 5 × 0.6625 = 3.3125 baseline steps
+    (a saving of 17.2%), and it would break even at 1 / 0.6625 = 1.51× the baseline's steps."""
+    steps = [1, 2, 3, 4, 5, 6]
+    runs = [
+        synthetic_steps("base", steps, [0.0, 0.25, 0.5, 1.0, 0.9, 0.9], False, 1000, 1000),
+        synthetic_steps("ca", steps, [0.0, 0.2, 0.4, 0.8, 1.0, 1.0], True, 1000, 250),
+    ]
+    result = compare_runs(runs, smoothing=0, fractions=(1.0,))
+    assert result.targets[0].baseline_compute == pytest.approx(4.0)
+    ca = next(a for a in result.arms if a["arm"] == "cost_aware")
+    t = ca["targets"][0]
+    assert t["compute"] == pytest.approx(5 * 0.6625)
+    assert t["compute_saving_pct"] == pytest.approx(100 * (1 - 5 * 0.6625 / 4))
+    assert t["saving_pct"] == pytest.approx(100 * (1 - 5 * 250 / 4000))  # policy tokens: the old headline
+    assert ca["compute_per_step"] == pytest.approx(0.6625) and ca["break_even_steps_ratio"] == pytest.approx(
+        1.5094, 1e-3
+    )
+    report = format_report(result)
+    assert "compute to peak" in report and "break-even steps ratio" in report and "3.3 steps" in report
+    # The update-heavy CPU-like split (update 55% of the baseline's step) makes the same run cheaper in compute.
+    cpu = compare_runs(runs, smoothing=0, fractions=(1.0,), compute_split=parse_split_cpu())
+    ca_cpu = next(a for a in cpu.arms if a["arm"] == "cost_aware")
+    assert ca_cpu["targets"][0]["compute"] == pytest.approx(5 * (0.45 + 0.55 / 4))
+    # No split: no compute columns, the report as before.
+    plain = compare_runs(runs, smoothing=0, fractions=(1.0,), compute_split=None)
+    assert plain.compute_weights is None and "compute to" not in format_report(plain)
+    assert plain.to_json()["compute"] is None and result.to_json()["compute"]["units"] == "baseline steps"
+
+
+def parse_split_cpu():
+    from trl_costaware.compare import cpu_split
+
+    return cpu_split(0.55)
+
+
+def test_compare_compute_needs_the_token_counters():
+    """Runs without generated-token counters (an older record) get no compute: n/a, not a wrong number."""
+    runs = [
+        synthetic("base", [100, 200, 300, 400], [0.0, 0.5, 1.0, 0.8], False),
+        synthetic("ca", [50, 100, 150, 200], [0.0, 0.5, 1.0, 1.0], True),
+    ]
+    result = compare_runs(runs, smoothing=0)
+    assert result.compute_weights is None
+    assert all(t["compute"] is None for a in result.arms for t in a["targets"])
+
+
+def test_cli_compute_split(tmp_path, capsys):
+    base = write_run(tmp_path / "b", [100, 200, 300], [0.0, 0.5, 1.0], False)
+    assert main([base, "--no-plot", "--compute-split", "gen=0.5,update=0.4"]) == 2
+    assert "--compute-split" in capsys.readouterr().err

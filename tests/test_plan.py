@@ -43,6 +43,10 @@ def make_rows(advantages, loss_tokens=None, costs=None, prompt=4.0) -> RowStats:
     )
 
 
+def _full_support_rank(m: int) -> torch.Tensor:
+    return torch.stack([torch.ones(m), torch.zeros(m), torch.ones(m), torch.ones(m)], 1)
+
+
 class OtherRank:
     """A two-rank collective seen from rank 0: the other rank's contributions are given."""
 
@@ -55,7 +59,9 @@ class OtherRank:
         return [max(a, b) for a, b in zip(values, self.ints, strict=True)]
 
     def cat(self, x):
-        other = self.weights if self.weights is not None else torch.stack([torch.ones(len(x)), torch.zeros(len(x))], 1)
+        """Each slot: weight, filler flag and 1/m of the rank's two design sums (`design_weight_terms`). Default: the
+        other rank can draw all its rows, m weights of 1 (π = m/N everywhere), E[Σ w] = m, K = m."""
+        other = self.weights if self.weights is not None else _full_support_rank(len(x))
         return torch.cat([x, other.to(x.dtype)])
 
     def sum(self, values):
@@ -185,7 +191,7 @@ def _filler_case(method="none", cap=None):
     """This rank: 3 eligible rows of 8; the other rank: 8 eligible, so m = 0.75·8 = 6 here too (3 fillers)."""
     rows = make_rows([1.0, -2.0, 0.5, 0, 0, 0, 0, 0])
     s = ht_settings(kept_fraction=0.75, smoothing=0.1, weight_normalization=method, weight_cap=cap)
-    other = torch.stack([torch.ones(6), torch.zeros(6)], 1)  # the other rank's 6 weights of 1, no fillers
+    other = _full_support_rank(6)  # the other rank's 6 weights of 1, no fillers
     return plan_batch(rows, s, gen(), OtherRank([-6, 8], weights=other, sums={"fillers": 0.0}))
 
 
@@ -202,13 +208,16 @@ def test_filler_rows_get_factor_zero_and_stay_out_of_the_metrics():
 
 
 def test_self_normalize_ignores_filler_weights():
-    """The informative rows' normalised weights are w / mean(non-filler w): filler weights (m/(Nπ) with π spread
-    over cheap zero-signal rows, unbounded) do not rescale them."""
+    """The informative rows' normalised weights are w · w̄₀ / mean(non-filler w): filler weights (m/(Nπ) with π spread
+    over cheap zero-signal rows, unbounded) do not rescale them, and the centre counts non-filler slots only: this
+    rank's 3 rows of S (π = 1, w = 6/8) and the other rank's 6 (E[Σ w] = 6): w̄₀ = (6·3/8 + 6) / (3 + 6)."""
     plan = _filler_case("self_normalize")
     w = plan.draw.weights[~plan.filler]
+    center = (6 * 3 / 8 + 6) / 9
+    assert plan.metrics["weight_center"] == pytest.approx(center)
     real_mean = torch.cat([w, torch.ones(6, dtype=torch.float64)]).mean()
-    torch.testing.assert_close(plan.factors[~plan.filler], w / real_mean)
-    assert plan.metrics["weight_mean"] == pytest.approx(1.0)
+    torch.testing.assert_close(plan.factors[~plan.filler], w * center / real_mean)
+    assert plan.metrics["weight_mean"] == pytest.approx(center)
 
 
 @settings(max_examples=60, deadline=None)
@@ -316,3 +325,32 @@ def test_plan_settings_mirror_the_config_on_kept_fraction_and_token_budget():
     assert PlanSettings(kept_fraction=None, token_budget=100.0).token_budget == 100.0
     s = PlanSettings()
     assert (s.weight_normalization, s.weight_floor) == ("recenter", 0.0)  # floored at 0, as the config does
+
+
+# ---------------------------------------------------------------- the weights' centre
+@pytest.mark.parametrize("method", ["recenter", "self_normalize"])
+@pytest.mark.parametrize("draw", ["systematic", "multinomial"])
+def test_normalised_weights_keep_the_gradient_scale_when_rows_cannot_be_drawn(method, draw):
+    """Half the rows cannot be drawn (a zero-advantage group of 4, 4 rows without loss tokens): the weights' mean is
+    |S|/N = 1/2 in expectation, and the normalised weights are centred there (`weight_center`), so
+    (1/m) Σ_kept w̃ L estimates (1/N) Σ L (L > 0 on S, 0 outside: the scale; a signed sum that nearly cancels shows
+    the normalised estimators' own bias, which the trainer's Monte Carlo matrix measures). Centred at 1 they doubled
+    it (the estimate was 2.1–2.2× the target here)."""
+    adv = [1.0, -0.5, 2.0, -2.5, 0.0, 0.0, 0.0, 0.0] + [0.7, -1.3, 0.4, -0.2] + [1.0, -1.0, 1.0, -1.0]
+    tokens = [6.0, 9.0, 3.0, 12.0] + [8.0] * 4 + [5.0, 7.0, 11.0, 4.0] + [0.0] * 4
+    rows = make_rows(adv, loss_tokens=tokens)
+    s = PlanSettings(kept_fraction=0.25, smoothing=0.1, draw=draw, weight_normalization=method)
+    a, t = torch.tensor(adv, dtype=torch.float64), torch.tensor(tokens, dtype=torch.float64)
+    loss = (1.0 + a.abs()) * t.sqrt() * (a != 0)
+    target = float(loss.sum() / 16)
+    g, estimates, centres = gen(3), [], set()
+    for _ in range(3000):
+        plan = plan_batch(rows, s, g)
+        centres.add(plan.metrics.get("weight_center"))
+        estimates.append(float((plan.factors * loss[plan.indices]).sum() / plan.m))
+    est = torch.tensor(estimates)
+    se = float(est.std() / math.sqrt(len(est)))
+    # The ratio estimators' own bias at m = 4 (not the scale): up to +7% here with a multinomial draw, under 2% with
+    # the systematic one.
+    assert abs(float(est.mean()) / target - 1.0) < 0.10 + 4 * se / abs(target), (float(est.mean()), target, se)
+    assert len(centres) == 1 and centres.pop() == pytest.approx(0.5)

@@ -572,3 +572,126 @@ def test_loss_aware_scores_stay_finite_when_the_product_overflows():
     adv = torch.tensor([0.0, 6.5e307], dtype=torch.float64)
     scores = sampling_scores(adv, torch.ones(2), proxy="loss_aware", row_factors=torch.tensor([1.0, 3.0]))
     assert torch.isfinite(scores).all() and scores[1] > 1e307 and scores[0] == 0
+
+
+# --- the weights' centre: the design's expected mean weight over the kept non-filler slots --------------------------
+
+
+def _exact_draws(p: torch.Tensor, m: int, scheme: str, filler: torch.Tensor):
+    """Every outcome of one rank's draw with its probability, by exact enumeration (small N): for a multinomial draw
+    all N^m index sequences; for the systematic draw every permutation (equally likely, as `torch.randperm`) and,
+    for each, every interval of u ∈ [0, 1) on which the kept set is constant (its ends are the fractional parts of
+    the cumulative π), each run through the real `draw_systematic` with that permutation and u."""
+    n = p.numel()
+    if scheme == "multinomial":
+        p = p.double()
+        for seq in itertools.product(range(n), repeat=m):
+            idx = torch.tensor(seq)
+            prob = float(p[idx].prod())
+            if prob > 0:
+                yield prob, idx, 1.0 / (n * p[idx])
+        return
+    pi = inclusion_probabilities(p, m, filler)
+    perms = list(itertools.permutations(range(n)))
+    for perm in perms:
+        perm_t = torch.tensor(perm)
+        cum = torch.cumsum(pi[perm_t], 0) * (m / float(pi.sum()))
+        ends = sorted({0.0, 1.0, *[float(c - math.floor(c)) for c in cum]})
+        for lo, hi in zip(ends, ends[1:], strict=False):
+            if hi - lo < 1e-12:
+                continue
+            u = torch.tensor((lo + hi) / 2, dtype=torch.float64)
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(torch, "randperm", lambda *a, _perm=perm_t, **k: _perm.clone())
+                mp.setattr(torch, "rand", lambda *a, _u=u, **k: _u.clone())
+                d = draw_systematic(p, m, None, filler)
+            yield (hi - lo) / len(perms), d.indices, d.weights
+
+
+@st.composite
+def small_rank(draw, n_max=5):
+    """One rank's rows: advantages with zeros (outside the support), loss tokens with zeros (hidden by the mask)."""
+    n = draw(st.integers(2, n_max))
+    adv = draw(st.lists(st.sampled_from([0.0, 0.0, 0.5, -1.0, 2.0, -3.0]), min_size=n, max_size=n))
+    tokens = draw(st.lists(st.sampled_from([0.0, 3.0, 5.0, 9.0]), min_size=n, max_size=n))
+    alpha = draw(st.sampled_from([0.0, 0.3]))
+    return torch.tensor(adv), torch.tensor(tokens), alpha
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    ranks=st.lists(small_rank(), min_size=1, max_size=2),
+    m_frac=st.floats(0.2, 1.0),
+    scheme=st.sampled_from(sampling.DRAW_SCHEMES),
+)
+def test_design_centre_is_the_expected_mean_kept_weight(ranks, m_frac, scheme):
+    """E[mean of the kept non-filler weights of all ranks] = Σ_r E_r[Σ w] / Σ_r K_r = w̄₀ (`design_weight_terms`),
+    by exact enumeration of every rank's draw (N ≤ 5; systematic and multinomial; supports with A = 0 rows and rows
+    without loss tokens; fewer rows that can be drawn than m, where systematic fillers appear; one or two ranks, same
+    m). The number of non-filler slots is the same in every outcome, so the mean's expectation is the ratio of
+    sums. On one rank it is |S|/N (m/N for a systematic draw with |S| < m), not 1, whenever some row cannot be drawn:
+    centring at 1 scales the gradient by N/|S|."""
+    n_min = min(len(a) for a, _, _ in ranks)
+    m = max(1, min(n_min, round(m_frac * n_min)))
+    expected_sums, slot_counts, terms = [], [], []
+    for adv, tokens, alpha in ranks:
+        support = sampling.eligible_rows(adv, tokens, False)
+        p = sampling_distribution(sampling_scores(adv, tokens + 2.0), alpha, support=support)
+        filler = (tokens > 0).double() / (tokens + 2.0)
+        e_sum, counts, total = 0.0, set(), 0.0
+        for prob, idx, w in _exact_draws(p, m, scheme, filler):
+            real = support[idx]
+            e_sum += prob * float(w[real].sum())
+            counts.add(int(real.sum()))
+            total += prob
+        assert total == pytest.approx(1.0, abs=1e-9)
+        assert len(counts) == 1, counts  # K is not random
+        expected_sums.append(e_sum)
+        slot_counts.append(counts.pop())
+        probs = p if scheme == "multinomial" else inclusion_probabilities(p, m, filler)
+        terms.append(sampling.design_weight_terms(probs, support, m, scheme))
+        assert terms[-1][1] == pytest.approx(slot_counts[-1], abs=1e-9)
+        assert terms[-1][0] == pytest.approx(e_sum, rel=1e-9, abs=1e-12)
+        k = int(support.sum())
+        if k:
+            drawn = k if k >= m or scheme == "multinomial" else m  # systematic, k < m: k rows with w = m/N each
+            assert terms[-1][0] / terms[-1][1] == pytest.approx(drawn / len(adv), rel=1e-9)
+    if sum(slot_counts):
+        centre = sum(t[0] for t in terms) / sum(t[1] for t in terms)
+        assert centre == pytest.approx(sum(expected_sums) / sum(slot_counts), rel=1e-9)
+
+
+def test_design_centre_examples():
+    """Hand-worked: 8 rows, 4 that can be drawn, m = 2: w̄₀ = 4/8 = 0.5 (both draws); m = 6 > 4 (systematic):
+    the 4 rows kept for sure with w = 6/8 each and 2 fillers, w̄₀ = 0.75; an empty support has no slots."""
+    support = torch.tensor([True] * 4 + [False] * 4)
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4] + [0.0] * 4, dtype=torch.float64)
+    e_sum, k = sampling.design_weight_terms(inclusion_probabilities(p, 2), support, 2, "systematic")
+    assert (e_sum, k) == (pytest.approx(1.0), pytest.approx(2.0))
+    e_sum, k = sampling.design_weight_terms(p, support, 2, "multinomial")
+    assert (e_sum, k) == (pytest.approx(1.0), pytest.approx(2.0))
+    e_sum, k = sampling.design_weight_terms(inclusion_probabilities(p, 6, torch.ones(8)), support, 6, "systematic")
+    assert (e_sum, k) == (pytest.approx(3.0), pytest.approx(4.0))
+    assert sampling.design_weight_terms(torch.full((4,), 0.25), torch.zeros(4, dtype=torch.bool), 2, "systematic") == (
+        0.0,
+        0.0,
+    )
+    with pytest.raises(ValueError):
+        sampling.design_weight_terms(p, support, 2, "poisson")
+
+
+@FAST
+@given(w=pos_weights, center=st.floats(0.0, 4.0))
+def test_normalize_weights_keep_the_given_centre(w, center):
+    """Both normalisations put the weights' mean at w̄₀ (before the floor): w − mean + w̄₀ and w · w̄₀ / mean."""
+    w = torch.tensor(w, dtype=torch.float64)
+    rec, s1 = normalize_weights(w, "recenter", center=center)
+    torch.testing.assert_close(rec, w - w.mean() + center, rtol=0, atol=1e-9 * float(w.abs().max()))
+    sn, s2 = normalize_weights(w, "self_normalize", center=center)
+    torch.testing.assert_close(sn, w * center / w.mean(), rtol=1e-9, atol=1e-12)
+    assert s2.mean == pytest.approx(center, rel=1e-9, abs=1e-12)
+    none, _ = normalize_weights(w, "none", center=center)
+    assert torch.equal(none, w)
+    for bad in (math.nan, math.inf, -1.0):
+        with pytest.raises(ValueError, match="centre"):
+            normalize_weights(w, "recenter", center=bad)

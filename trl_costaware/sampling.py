@@ -157,6 +157,8 @@ def sampling_distribution(
     if not inside.any():  # nothing carries gradient: any draw is as good, take the uniform one
         inside, s = torch.ones_like(inside), torch.zeros_like(s)
     s = torch.where(inside, s, torch.zeros_like(s))
+    if s.max() > 0:
+        s = s / s.max()  # scale-free; keeps Σ s from overflowing (scores near the dtype's largest value)
     uniform = inside.double() / int(inside.sum())
     total = s.sum()
     q = s / total if total > 0 else uniform
@@ -285,32 +287,70 @@ def effective_sample_size(w: torch.Tensor) -> float:
     return float(w.sum() ** 2 / sq) if sq > 0 else 0.0
 
 
+def design_weight_terms(
+    probabilities: torch.Tensor, support: torch.Tensor, m: int, scheme: str = "systematic"
+) -> tuple[float, float]:
+    """(E[Σ w], K): one rank's expected sum of the unbiasing weights over its kept non-filler slots, and the number K
+    of those slots. Their sums over ranks give the centre of the normalised weights (`normalize_weights`):
+
+        w̄₀ = Σ_ranks E[Σ w] / Σ_ranks K   = E[mean of the kept non-filler weights of all ranks].
+
+    For a draw of m slots from N rows, support S (the rows that can carry gradient, `eligible_rows`; a slot on a row
+    outside S is a filler, weight 0, outside every mean) and S⁺ = {i ∈ S : π_i > 0} the rows that can be drawn:
+
+    - systematic (`probabilities` = π, w_i = m / (N π_i)): row i is kept with probability π_i, so
+          E[Σ_{kept, i∈S} w_i] = Σ_{i∈S⁺} π_i · m / (N π_i) = m |S⁺| / N,     K = Σ_{i∈S} π_i;
+    - multinomial (`probabilities` = p, w = 1 / (N p_i) per draw): row i is drawn m p_i times on average, so
+          E[Σ w] = Σ_{i∈S⁺} m p_i / (N p_i) = m |S⁺| / N,                     K = m Σ_{i∈S} p_i.
+
+    K is not random: a multinomial draw from p puts every slot in S (p = 0 outside S unless S is empty: then K = 0);
+    a systematic draw keeps m rows of S when |S⁺| ≥ m, and otherwise every row of S (π = 1) plus m − |S| fillers,
+    K = |S|. So E[mean] = E[Σ w] / K exactly, on one rank and over ranks. On one rank: w̄₀ = |S⁺|/N when |S⁺| ≥ m,
+    and m/N (every kept weight is exactly m/N) when fewer rows than m can be drawn. It is 1 only when every row can
+    be drawn: rows with A = 0 or no loss token have π = 0, so E[mean w] = |S⁺|/N < 1, and weights centred at 1 would
+    multiply the policy gradient by ≈ N/|S⁺|.
+    """
+    if scheme not in DRAW_SCHEMES:
+        raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
+    probs = _clean(probabilities).double().clamp(min=0.0)
+    inside = support.to(torch.bool).to(probs.device)
+    n = probs.numel()
+    drawable = int((inside & (probs > 0)).sum())
+    slots = float(probs[inside].sum()) * (m if scheme == "multinomial" else 1)
+    return m * drawable / n, slots
+
+
 def normalize_weights(
     weights: torch.Tensor,
     method: str = "none",
     floor: float | None = None,
     cap: float | None = None,
+    center: float = 1.0,
 ) -> tuple[torch.Tensor, WeightStats]:
     """Normalise importance weights over the kept set (pass the weights of *all* ranks for a global normalisation).
 
-    - "none":            w̃ = w                     (unbiased)
-    - "recenter":        w̃ = w − mean(w) + 1       (mean 1; can go negative, hence the floor)
-    - "self_normalize":  w̃ = w / mean(w)           (mean 1; ratio estimator, slightly biased)
+    - "none":            w̃ = w                          (unbiased)
+    - "recenter":        w̃ = w − mean(w) + w̄₀          (mean w̄₀; can go negative, hence the floor)
+    - "self_normalize":  w̃ = w · w̄₀ / mean(w)          (mean w̄₀; ratio estimator, slightly biased)
 
-    then w̃ ← max(w̃, floor) if floor is set and w̃ ← min(w̃, cap) if cap is set. The floor also applies when a
-    recentred weight would be negative; the fraction of weights moved by the floor and by the cap is reported.
+    with w̄₀ = `center`, the design's expected mean weight (`design_weight_terms`: |S⁺|/N on one rank, 1 only when
+    every row can be drawn), so that both keep E[mean w̃] = E[mean w] and the gradient's scale. Then
+    w̃ ← max(w̃, floor) if floor is set and w̃ ← min(w̃, cap) if cap is set. The floor also applies when a recentred
+    weight would be negative; the fraction of weights moved by the floor and by the cap is reported.
     Returns (w̃, stats); non-finite inputs are treated as 0.
     """
     if method not in WEIGHT_NORMALIZATIONS:
         raise ValueError(f"weight normalisation must be one of {WEIGHT_NORMALIZATIONS}, got {method!r}")
+    if not (math.isfinite(center) and center >= 0.0):
+        raise ValueError(f"the weights' centre must be finite and non-negative, got {center}")
     w = _clean(weights).double()
     if w.numel() == 0:
         return w, WeightStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     mean = w.mean()
     if method == "recenter":
-        w = w - mean + 1.0
+        w = w - mean + center
     elif method == "self_normalize":
-        w = w / mean if mean > 0 else torch.ones_like(w)
+        w = w * (center / mean) if mean > 0 else torch.full_like(w, center)
     floored = torch.zeros_like(w, dtype=torch.bool)
     capped = torch.zeros_like(w, dtype=torch.bool)
     if floor is not None:

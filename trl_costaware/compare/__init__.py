@@ -6,6 +6,8 @@ One role per module:
   run) or from W&B online (``entity/project/run_id``, ``entity/project/groups/NAME``, through ``wandb.Api()``);
 - `curves`: smoothing, first crossings, seeds averaged on a common grid;
 - `noise`: whether the baseline improved beyond noise — the rule that gates every claim;
+- `compute`: what a run costs to a target from tokens and a phase split (baseline-step units), the break-even steps
+  ratio;
 - `targets`: arms, the baseline's targets (its peak and 99% of it), tokens and wall time to reach them, savings;
 - `report` (markdown) and `plot` (PNG); `cli`: the command.
 
@@ -18,6 +20,19 @@ not improve beyond noise: no claim".
 """
 
 from .cli import build_parser, main
+from .compute import (
+    GPU_GEN77,
+    GPU_VERL,
+    SPLITS,
+    Split,
+    TokenWeights,
+    break_even_steps_ratio,
+    cpu_split,
+    parse_split,
+    phase_step_cost,
+    step_cost,
+    token_weights,
+)
 from .curves import Curve, aggregate, first_crossing, raw_series, run_curve, smooth, smoothing_window
 from .noise import NO_CLAIM, NoiseCheck, baseline_improvement
 from .plot import X_LABELS, plot
@@ -37,9 +52,11 @@ from .targets import (
     DEFAULT_FRACTIONS,
     DEFAULT_METRIC,
     DEFAULT_SMOOTH,
+    DEFAULT_SPLIT,
     DEFAULT_X,
     Result,
     Target,
+    add_compute,
     assign_labels,
     compare_runs,
 )
@@ -48,7 +65,20 @@ __all__ = [
     "DEFAULT_FRACTIONS",
     "DEFAULT_METRIC",
     "DEFAULT_SMOOTH",
+    "DEFAULT_SPLIT",
     "DEFAULT_X",
+    "GPU_GEN77",
+    "GPU_VERL",
+    "SPLITS",
+    "Split",
+    "TokenWeights",
+    "add_compute",
+    "break_even_steps_ratio",
+    "cpu_split",
+    "parse_split",
+    "phase_step_cost",
+    "step_cost",
+    "token_weights",
     "NOT_REACHED",
     "NO_CLAIM",
     "X_LABELS",

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .compute import SPLITS, parse_split
 from .plot import plot
 from .readers import CompareError, load_runs
 from .report import format_report
@@ -66,6 +67,13 @@ def build_parser(prog: str = "trl-costaware compare") -> argparse.ArgumentParser
         metavar="FIELD",
         help="split arms by a run field or config field, e.g. --arm-by cost_aware_kept_fraction (repeatable)",
     )
+    p.add_argument(
+        "--compute-split",
+        default="gpu",
+        help="phase split of a baseline step for the compute columns: gpu (default; verl Qwen3-8B: generation 55%%, "
+        "old/ref passes 19%%, update 26%%), gpu_gen77 (generation 77%%), cpu:U (a measured update share U, no "
+        "passes), gen=A,passes=B,update=C, or none (no compute columns)",
+    )
     p.add_argument("--band", choices=("minmax", "std", "none"), default="minmax", help="band around the seed mean")
     p.add_argument("--minimize", action="store_true", help="lower is better (e.g. a loss)")
     p.add_argument("--out", default="cost_aware_compare.png", help="PNG path (default ./cost_aware_compare.png)")
@@ -82,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         fractions = tuple(float(f) for f in args.fractions.split(",") if f.strip())
         if not fractions or any(not 0 < f <= 1 for f in fractions):
             raise CompareError(f"--fractions {args.fractions!r}: need numbers in (0, 1]")
+        try:
+            split = None if args.compute_split == "none" else parse_split(args.compute_split)
+        except ValueError as err:
+            raise CompareError(f"--compute-split: {err}; names: {', '.join(SPLITS)}") from err
         runs = load_runs(args.runs, progress=False if args.no_progress else None)
         result = compare_runs(
             runs,
@@ -95,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             arm_by=args.arm_by,
             band=args.band,
             minimize=args.minimize,
+            compute_split=split,
         )
     except CompareError as err:
         print(f"error: {err}", file=sys.stderr)

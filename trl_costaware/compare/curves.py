@@ -69,18 +69,30 @@ class Curve:
     lo: np.ndarray | None = None  # band (arms)
     hi: np.ndarray | None = None
     n: int = 1
+    compute: np.ndarray | None = None  # compute in baseline-step units at each point (NaN where unknown)
 
 
-def raw_series(run: RunHistory, metric: str, x_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(x, metric, wall time) of every row that has a finite `metric` and `x_key`, sorted by x (then log order)."""
+COMPUTE_KEY = "cost_aware/compute"  # derived by `targets.add_compute`: the run's compute in baseline-step units
+
+
+def _points(run: RunHistory, metric: str, x_key: str, extra: tuple[str, ...]) -> list[np.ndarray]:
     pts = []
     for i, row in enumerate(run.rows):
         xv, yv = row.get(x_key), row.get(metric)
         if isinstance(xv, (int, float)) and isinstance(yv, (int, float)) and math.isfinite(xv) and math.isfinite(yv):
-            wall = row.get("wall_time")
-            pts.append((float(xv), i, float(yv), float(wall) if isinstance(wall, (int, float)) else math.nan))
+            more = [row.get(k) for k in extra]
+            more = [float(v) if isinstance(v, (int, float)) else math.nan for v in more]
+            pts.append((float(xv), i, float(yv), *more))
     pts.sort()
-    return np.array([p[0] for p in pts]), np.array([p[2] for p in pts]), np.array([p[3] for p in pts])
+    return [np.array([p[0] for p in pts]), np.array([p[2] for p in pts])] + [
+        np.array([p[3 + j] for p in pts]) for j in range(len(extra))
+    ]
+
+
+def raw_series(run: RunHistory, metric: str, x_key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(x, metric, wall time) of every row that has a finite `metric` and `x_key`, sorted by x (then log order)."""
+    x, y, wall = _points(run, metric, x_key, ("wall_time",))
+    return x, y, wall
 
 
 def run_curve(
@@ -88,13 +100,14 @@ def run_curve(
 ) -> Curve | None:
     """The run's (x, smoothed metric) points, sorted by x. The first ``min_points − 1`` smoothed points (default: the
     smoother's window) are dropped: there the average rests on a few noisy values, and an early spike would count as
-    reaching a target. A run with fewer points keeps its last one."""
-    x, raw, wall = raw_series(run, metric, x_key)
+    reaching a target. A run with fewer points keeps its last one. The curve also carries the wall time and the
+    derived compute (`COMPUTE_KEY`, NaN where the rows have none) at each point."""
+    x, raw, wall, compute = _points(run, metric, x_key, ("wall_time", COMPUTE_KEY))
     if len(x) == 0:
         return None
     y = smooth(raw, smoothing)
     skip = min((smoothing_window(smoothing) if min_points is None else max(1, min_points)) - 1, len(x) - 1)
-    return Curve(x=x[skip:], y=y[skip:], raw=raw[skip:], wall=wall[skip:])
+    return Curve(x=x[skip:], y=y[skip:], raw=raw[skip:], wall=wall[skip:], compute=compute[skip:])
 
 
 def _interp(x_new, x, y):
@@ -108,7 +121,7 @@ def aggregate(curves: list[Curve], band: str = "minmax") -> Curve:
     union of ranges if they do not overlap), each run linearly interpolated. Band: ``minmax``, ``std`` or ``none``."""
     if len(curves) == 1:
         c = curves[0]
-        return Curve(x=c.x, y=c.y, raw=c.raw, wall=c.wall, lo=c.y, hi=c.y, n=1)
+        return Curve(x=c.x, y=c.y, raw=c.raw, wall=c.wall, lo=c.y, hi=c.y, n=1, compute=c.compute)
     lo = max(c.x[0] for c in curves)
     hi = min(c.x[-1] for c in curves)
     grid = np.unique(np.concatenate([c.x for c in curves]))
@@ -117,6 +130,12 @@ def aggregate(curves: list[Curve], band: str = "minmax") -> Curve:
     ys = np.vstack([_interp(grid, c.x, c.y) for c in curves])
     raws = np.vstack([_interp(grid, c.x, c.raw) for c in curves])
     walls = np.vstack([_interp(grid, c.x, c.wall) if np.isfinite(c.wall).all() else grid * np.nan for c in curves])
+    computes = np.vstack(
+        [
+            _interp(grid, c.x, c.compute) if c.compute is not None and np.isfinite(c.compute).all() else grid * np.nan
+            for c in curves
+        ]
+    )
     with np.errstate(all="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns (outside a run's range)
         mean = np.nanmean(ys, axis=0)
@@ -129,4 +148,5 @@ def aggregate(curves: list[Curve], band: str = "minmax") -> Curve:
             band_lo, band_hi = np.nanmin(ys, axis=0), np.nanmax(ys, axis=0)
         raw = np.nanmean(raws, axis=0)
         wall = np.nanmean(walls, axis=0)
-    return Curve(x=grid, y=mean, raw=raw, wall=wall, lo=band_lo, hi=band_hi, n=len(curves))
+        compute = np.nanmean(computes, axis=0)
+    return Curve(x=grid, y=mean, raw=raw, wall=wall, lo=band_lo, hi=band_hi, n=len(curves), compute=compute)

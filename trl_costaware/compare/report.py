@@ -63,12 +63,22 @@ def target_name(f: float) -> str:
     return "peak" if f == 1.0 else f"{100 * f:g}% peak"
 
 
-def _target_cells(row: dict, x_key: str, claim: bool) -> list[str]:
-    """Per target: x to reach it and the saving, then per target the wall time; "no claim" throughout when the
-    baseline did not improve beyond noise."""
+def fmt_compute(v) -> str:
+    """Compute in baseline-step units."""
+    return NOT_REACHED if v is None else f"{v:.1f} steps"
+
+
+def _target_cells(row: dict, x_key: str, claim: bool, compute: bool = False) -> list[str]:
+    """Per target: x to reach it and the saving, then (with `compute`) per target the compute to it and its saving,
+    then per target the wall time; "no claim" throughout when the baseline did not improve beyond noise."""
+    per = 5 if compute else 3
     if not claim:
-        return [NO_CLAIM] * (3 * len(row["targets"]))
+        return [NO_CLAIM] * (per * len(row["targets"]))
     cells = [c for t in row["targets"] for c in (fmt_x(t["x"], x_key), fmt_pct(t["saving_pct"]))]
+    if compute:
+        cells += [
+            c for t in row["targets"] for c in (fmt_compute(t.get("compute")), fmt_pct(t.get("compute_saving_pct")))
+        ]
     return cells + [fmt_seconds(t["wall"]) if t["x"] is not None else NOT_REACHED for t in row["targets"]]
 
 
@@ -96,20 +106,36 @@ def format_report(result: Result) -> str:
         "",
     ]
     x_word = "tokens" if "token" in xk else xk
+    w = result.compute_weights
     target_columns = [c for t in fr for c in (f"{x_word} to {target_name(t.fraction)}", "saving")]
+    if w is not None:
+        target_columns += [c for t in fr for c in (f"compute to {target_name(t.fraction)}", "compute saving")]
     target_columns += [f"wall to {target_name(t.fraction)}" for t in fr] + [f"{x_word} total", "wall total"]
-    head = ["arm", "runs", "final", "Δ final", "peak", *target_columns]
+    arm_extra = ["compute / step", "break-even steps ratio"] if w is not None else []
+    head = ["arm", "runs", "final", "Δ final", "peak", *target_columns, *arm_extra]
     rows = []
     for a in result.arms:
         r = [a["arm"], str(a["runs"]), fmt_num(a["final"]), f"{a['final_vs_baseline']:+.3g}", fmt_num(a["peak"])]
-        rows.append(r + _target_cells(a, xk, claim) + [fmt_x(a["x_total"], xk), fmt_seconds(a["wall_total"])])
+        r += _target_cells(a, xk, claim, w is not None) + [fmt_x(a["x_total"], xk), fmt_seconds(a["wall_total"])]
+        if w is not None:
+            r += [fmt_num(a.get("compute_per_step"), 3), fmt_num(a.get("break_even_steps_ratio"), 3)]
+        rows.append(r)
     lines += ["Arms (seeds averaged on a common grid):", "", _markdown(head, rows), ""]
     head = ["run", "arm", "seed", "final", "peak", *target_columns]
     rows = []
     for run in result.runs:
         r = [run["name"], run["arm"], str(run["seed"]), fmt_num(run["final"]), fmt_num(run["peak"])]
-        rows.append(r + _target_cells(run, xk, claim) + [fmt_x(run["x_total"], xk), fmt_seconds(run["wall_total"])])
+        r += _target_cells(run, xk, claim, w is not None)
+        rows.append(r + [fmt_x(run["x_total"], xk), fmt_seconds(run["wall_total"])])
     lines += ["Runs:", "", _markdown(head, rows), ""]
+    if w is not None:
+        lines.append(
+            f"compute = what a run costs in steps of the baseline ({w.split.describe()}; {w.split.source or 'custom'}"
+            f"): {w.gen:.3g} per generated token + {w.policy:.3g} per policy token (old/reference passes run on the "
+            "kept rows, so they scale with the policy tokens). break-even steps ratio = 1 / compute per step: an arm "
+            "whose steps to a target exceed this multiple of the baseline's costs more than the baseline. Change the "
+            "split with --compute-split (e.g. cpu:0.55 for a measured update share of 55%)."
+        )
     if claim:
         lines.append(
             f"saving = 1 − {x_word} to the target / the baseline arm's {x_word} to it (positive: fewer {x_word})."

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..record_names import BASELINE_ARM, COST_AWARE_ARM
-from .curves import Curve, aggregate, first_crossing, raw_series, run_curve, smoothing_window
+from .compute import GPU_VERL, Split, TokenWeights, token_weights
+from .curves import COMPUTE_KEY, Curve, aggregate, first_crossing, raw_series, run_curve, smoothing_window
 from .noise import NoiseCheck, baseline_improvement
 from .readers import CompareError, RunHistory, canonical_key, canonical_x, default_arm
 
@@ -20,6 +21,8 @@ DEFAULT_METRIC = "reward"
 DEFAULT_X = "cost_aware/policy_tokens"
 DEFAULT_SMOOTH = 0.6
 DEFAULT_FRACTIONS = (1.0, 0.99)
+DEFAULT_SPLIT = GPU_VERL
+GEN_KEY, POLICY_KEY = "cost_aware/generated_tokens", "cost_aware/policy_tokens"
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Target:
     value: float  # in the metric's units (sign as logged)
     baseline_x: float | None
     baseline_wall: float | None
+    baseline_compute: float | None = None
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Result:
     curves: dict  # "runs": name -> Curve ; "arms": arm label -> Curve
     arm_members: dict  # arm label -> [run names]
     noise: NoiseCheck  # did the baseline improve beyond noise? (no: no tokens-to-target numbers, no savings)
+    compute_weights: TokenWeights | None = None  # None: no compute (no split, or rows without the token counters)
 
     @property
     def claim(self) -> bool:
@@ -64,6 +69,14 @@ class Result:
             "targets": [t.__dict__ for t in self.targets],
             "arms": self.arms,
             "runs": self.runs,
+            "compute": None
+            if self.compute_weights is None
+            else {
+                "units": "baseline steps",
+                "split": self.compute_weights.split.__dict__,
+                "weight_per_generated_token": self.compute_weights.gen,
+                "weight_per_policy_token": self.compute_weights.policy,
+            },
         }
 
 
@@ -111,6 +124,35 @@ def _choose_baseline(arms: dict[str, list[RunHistory]], baseline: str | None) ->
     )
 
 
+def add_compute(runs: list[RunHistory], baseline: list[RunHistory], split: Split) -> TokenWeights | None:
+    """Give every row with both token counters a derived compute (`COMPUTE_KEY`, in baseline-step units):
+    w_gen · generated tokens + w_pol · policy tokens, the weights calibrated on the baseline runs' mean tokens per
+    step (`compute.token_weights`). None (and no compute) when a baseline run lacks the counters or the step."""
+    gen, pol = [], []
+    for run in baseline:
+        last = [r for r in run.rows if all(isinstance(r.get(k), (int, float)) for k in (GEN_KEY, POLICY_KEY, "step"))]
+        last = [r for r in last if r["step"] > 0]
+        if not last:
+            return None
+        gen.append(last[-1][GEN_KEY] / last[-1]["step"])
+        pol.append(last[-1][POLICY_KEY] / last[-1]["step"])
+    if min(gen) <= 0 or min(pol) <= 0:
+        return None
+    weights = token_weights(split, float(np.mean(gen)), float(np.mean(pol)))
+    for run in runs:
+        for row in run.rows:
+            g, p = row.get(GEN_KEY), row.get(POLICY_KEY)
+            if isinstance(g, (int, float)) and isinstance(p, (int, float)):
+                row[COMPUTE_KEY] = weights.compute(g, p)
+    return weights
+
+
+def _step_cost(run: RunHistory) -> float | None:
+    """The run's compute per step (baseline-step units) from its last row with compute and step."""
+    rows = [r for r in run.rows if isinstance(r.get(COMPUTE_KEY), (int, float)) and (r.get("step") or 0) > 0]
+    return rows[-1][COMPUTE_KEY] / rows[-1]["step"] if rows else None
+
+
 def _target_value(peak: float, start: float, fraction: float) -> float:
     """``fraction`` of the peak for a positive peak (the paper's "99% of peak"); else ``fraction`` of the way from
     the baseline's first value to its peak. Values in "higher is better" units."""
@@ -144,13 +186,24 @@ def _curve_stats(c: Curve, targets: list[Target], sign: float, claim: bool) -> d
         "points": int(finite.sum()),
         "targets": [],
     }
+    compute = c.compute[finite] if c.compute is not None else np.full(len(xs), np.nan)
+    out["compute_total"] = _finite(compute[-1])
     for t in targets:
-        tx, tw = first_crossing(xs, ys, sign * t.value, c.wall[finite]) if claim else (None, None)
-        tw = _finite(tw)
+        tx, tw, tc = first_crossing(xs, ys, sign * t.value, c.wall[finite], compute) if claim else (None,) * 3
+        tw, tc = _finite(tw), _finite(tc)
         saving = 100.0 * (1.0 - tx / t.baseline_x) if tx is not None and t.baseline_x else None
         wall_saving = 100.0 * (1.0 - tw / t.baseline_wall) if tw is not None and t.baseline_wall else None
+        compute_saving = 100.0 * (1.0 - tc / t.baseline_compute) if tc is not None and t.baseline_compute else None
         out["targets"].append(
-            {"fraction": t.fraction, "x": tx, "saving_pct": saving, "wall": tw, "wall_saving_pct": wall_saving}
+            {
+                "fraction": t.fraction,
+                "x": tx,
+                "saving_pct": saving,
+                "wall": tw,
+                "wall_saving_pct": wall_saving,
+                "compute": tc,
+                "compute_saving_pct": compute_saving,
+            }
         )
     return out
 
@@ -167,10 +220,15 @@ def compare_runs(
     arm_by: list[str] | None = None,
     band: str = "minmax",
     minimize: bool = False,
+    compute_split: Split | None = DEFAULT_SPLIT,
 ) -> Result:
     """Group `runs` into arms, average each arm's seeds, take the baseline arm's peak (and `fractions` of it) as
     targets, and find where every arm and run first reaches them. Tokens-to-target numbers and savings are given
-    only when the baseline improved beyond noise (`trl_costaware.compare.noise`); else they are None."""
+    only when the baseline improved beyond noise (`trl_costaware.compare.noise`); else they are None.
+
+    With `compute_split` (default: verl's GPU split) every run also gets compute to each target in baseline-step
+    units (`add_compute`), the arm's compute per step and the break-even steps ratio (1 / compute per step): the
+    steps ratio to a target above which the arm costs more than the baseline."""
     metric, x_key = canonical_key(metric), canonical_x(x)
     if not runs:
         raise CompareError("no runs to compare")
@@ -193,6 +251,12 @@ def compare_runs(
     for run in runs:
         arms.setdefault(run.label, []).append(run)
     base_label = _choose_baseline(arms, baseline)
+    weights = add_compute(runs, arms[base_label], compute_split) if compute_split is not None else None
+    if weights is not None:  # the curves carry the compute now
+        for run in runs:
+            c = run_curve(run, metric, x_key, smoothing, min_points)
+            c.y, c.raw = sign * c.y, sign * c.raw
+            curves[run.name] = c
     noise = baseline_improvement([sign * raw_series(r, metric, x_key)[1] for r in arms[base_label]])
     arm_curves = {label: aggregate([curves[r.name] for r in members], band) for label, members in arms.items()}
     base = arm_curves[base_label]
@@ -201,8 +265,9 @@ def compare_runs(
     targets = []
     for f in fractions:
         value = _target_value(peak, start, f)
-        bx, bw = first_crossing(base.x, base.y, value, base.wall) if noise.improved else (None, None)
-        targets.append(Target(fraction=f, value=sign * value, baseline_x=bx, baseline_wall=_finite(bw)))
+        base_compute = base.compute if base.compute is not None else np.full(len(base.x), np.nan)
+        bx, bw, bc = first_crossing(base.x, base.y, value, base.wall, base_compute) if noise.improved else (None,) * 3
+        targets.append(Target(f, sign * value, bx, _finite(bw), _finite(bc)))
 
     run_rows = []
     for run in runs:
@@ -216,6 +281,9 @@ def compare_runs(
         s = _curve_stats(arm_curves[label], targets, sign, noise.improved)
         s.update({"arm": label, "runs": len(members), "seeds": sorted({str(r.info.get("seed")) for r in members})})
         s["final_vs_baseline"] = s["final"] - base_final
+        costs = [c for c in (_step_cost(r) for r in members) if c is not None]
+        s["compute_per_step"] = float(np.mean(costs)) if costs else None
+        s["break_even_steps_ratio"] = 1.0 / s["compute_per_step"] if costs else None
         arm_rows.append(s)
     arm_rows.sort(key=lambda r: (r["arm"] != base_label, r["arm"]))
     run_rows.sort(key=lambda r: (r["arm"] != base_label, r["arm"], str(r["seed"]), r["name"]))
@@ -237,4 +305,5 @@ def compare_runs(
         curves={"runs": curves, "arms": arm_curves},
         arm_members={label: [r.name for r in members] for label, members in arms.items()},
         noise=noise,
+        compute_weights=weights,
     )

@@ -1,0 +1,105 @@
+"""`benchmarks/regime_matrix.py` (smoke mode, real runs), its decision rule, and `benchmarks/compute_to_target.py`
+on the committed runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import compute_to_target as ctt  # noqa: E402
+import regime_analysis as ra  # noqa: E402
+import regime_matrix as rm  # noqa: E402
+
+from trl_costaware.compare.compute import GPU_VERL, cpu_split, step_cost  # noqa: E402
+
+
+def test_smoke_matrix_measures_properties_and_gives_grpo_compute(tmp_path, warm_model_path):
+    """The smoke matrix runs every default-testbed cell end to end: each cell's properties are measured and printed,
+    the late cell starts from the checkpoint its property chose, and the cost-aware arm stops at the first step where
+    its compute reaches its GRPO run's under every split (more steps than GRPO, since its steps are cheaper)."""
+    out = str(tmp_path / "smoke")
+    res = rm.main(["--smoke", "--out", out])
+    cells = {c["cell"]: c for c in res["cells"]}
+    assert set(cells) == {"default", "default_late", "default_variance"}
+    md = res["markdown"]
+    assert "informative share" in md and "GRPO update share" in md and "Decision under the gpu split" in md
+    late = cells["default_late"]["record"]["checkpoint"]
+    assert late["checks"] and os.path.exists(os.path.join(late["model_path"], "config.json"))
+    assert "checkpoint at GRPO step" in md
+    assert cells["default_variance"]["record"]["tries"]  # the property was measured (smoke: no claim on it)
+    a = cells["default"]
+    assert a["status"] == "run" and 0.0 <= a["informative_first_step"] <= 1.0
+    # the budget: the arm's compute under each split at its last step reaches GRPO's, one step earlier it did not
+    cell_root = os.path.join(out, "default")
+    runs = rm.load_cell_runs(cell_root)
+    steps = runs["grpo"][0]["steps"]
+    weights = rm.grpo_split_weights(runs["grpo"], 0, steps)
+    rows = [r for r in rm.read_metrics(os.path.join(cell_root, "cost_aware_0.5__s0")) if "frac_reward_zero_std" in r]
+    totals = [(r["cost_aware/generated_tokens"], r["cost_aware/policy_tokens"]) for r in rows]
+    last = min(w.compute(*totals[-1]) for w in weights.values())
+    before = min(w.compute(*totals[-2]) for w in weights.values())
+    assert last >= steps > before
+    assert len(totals) > steps  # cheaper steps: more of them
+    with open(os.path.join(out, "regime_matrix_smoke.json"), encoding="utf-8") as fh:
+        assert json.load(fh)["decisions"].keys() == {"cpu", "gpu", "gpu_gen77"}
+
+
+def test_half_loss():
+    out = rm.half_loss([0.2, 0.2, 0.2], [0.16, 0.17, 0.18])
+    assert out["loss"] == pytest.approx(1 - 0.17 / 0.2)
+    assert out["loss_ci"][0] <= out["loss"] <= out["loss_ci"][1]
+    assert rm.half_loss([-0.1, 0.0], [0.1, 0.1])["loss"] is None  # GRPO did not learn: no property
+
+
+def _arm(end, ratio, reached=3, n=3):
+    return {
+        "n": n,
+        "reached": reached,
+        **{f"end_equal_compute_{s}_minus_grpo": (end, end - 0.004, end + 0.004) for s in ra.SPLIT_NAMES},
+        **{f"ratio_compute_{s}": (ratio, ratio - 0.02, ratio + 0.02) for s in ra.SPLIT_NAMES},
+    }
+
+
+def test_decision_rule():
+    cells = [
+        {"cell": "a", "status": "run", "target": 0.8, "arms": {"x": _arm(-0.005, 0.6), "y": _arm(0.0, 0.8)}},
+        {"cell": "b", "status": "run", "target": 0.9, "arms": {"x": _arm(-0.02, 0.5), "y": _arm(-0.008, 0.9)}},
+    ]
+    d = ra.decide(cells, "gpu")
+    assert d["passing"] == ["y"] and d["choice"] == "y"  # x is cheaper but ends below GRPO − 0.01 in cell b
+    assert d["favour"] == {"a": "x", "b": "y"}
+    assert d["table"]["y"]["b"]["end_within_noise"]  # −0.008 ± 0.004 reaches below the tolerance
+    cells[1]["arms"]["y"] = _arm(0.0, 0.9, reached=2)  # a seed that does not reach the target fails the cell
+    d = ra.decide(cells, "gpu")
+    assert d["passing"] == [] and d["choice"] is None
+    cells[0]["arms"]["cost_aware_0.5"] = _arm(0.0, 0.7)  # none passes everywhere: the most conservative that passes
+    d = ra.decide(cells, "gpu")
+    assert d["choice"] == "cost_aware_0.5" and "most conservative" in d["how"]
+    cells[1]["target"] = None  # a cell without a target makes no claim on reaching it
+    cells[1]["arms"]["y"] = _arm(0.0, 0.9, reached=0)
+    assert ra.decide(cells, "gpu")["table"]["y"]["b"]["passes"]
+
+
+def test_compute_to_target_on_the_committed_runs():
+    """From the committed per-seed rows: each arm's break-even is 1 / its step cost under the split; GRPO on half the
+    prompts halves every phase, so its compute ratio equals its policy-token ratio under every split; and no arm run
+    with recentred weights from before the recentring fix (scaled by the bug) is used."""
+    res = ctt.analyse()
+    for tb, t in res["testbeds"].items():
+        assert all(a["file"] in ctt.POST_FIX_NAMES for n, a in t["arms"].items() if "recenter" in n), tb
+        cpu = cpu_split(t["splits"]["cpu"]["update"])
+        for arm, a in t["arms"].items():
+            f = a["kept_token_fraction"][0]
+            if arm != "grpo_half":
+                assert a["break_even_gpu"][0] == pytest.approx(1 / step_cost(f, GPU_VERL), rel=0.03)
+                assert a["break_even_cpu"][0] == pytest.approx(1 / step_cost(f, cpu), rel=0.03)
+        half = t["arms"]["grpo_half"]
+        for s in ctt.SPLIT_KEYS:
+            assert half[f"ratio_compute_{s}"][0] == pytest.approx(half["ratio_policy_tokens"][0], rel=0.02)
+        assert half["ratio_compute_phase"][0] is None  # the phase figure assumes the same generation per step
