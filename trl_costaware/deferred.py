@@ -11,14 +11,21 @@ and the trainer's `_loss_mask`, `_metrics` and `_cost_aware_totals`.
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
+from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
-from .vllm_ratio import vllm_importance_sampling_ratio
+from .vllm_ratio import vllm_importance_sampling_ratio, vllm_metrics
+
+# The code object of TRL's scoring function: its direct calls to `_get_per_token_logps_and_entropies` are the passes
+# that are deferred.
+TRL_SCORING_CODE = inspect.unwrap(GRPOTrainer._generate_and_score_completions).__code__
 
 # Entries of TRL's scored batch that the cost-aware trainer recomputes per kept micro-batch (placeholders until then).
 DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
@@ -40,10 +47,19 @@ class DeferredLogProbPasses:
         """While TRL scores a generation batch, its no-grad log-prob passes (old policy, reference) return a NaN
         placeholder instead of running: they run afterwards on the kept rows only (`_compute_deferred_logps`). With
         the vLLM importance-sampling correction, TRL forms its ratio from the placeholder: NaN differences count as 0
-        there, so that ratio is 1 and cheap; it is dropped and formed again per kept micro-batch."""
+        there, so that ratio is 1 and cheap; it is dropped and formed again per kept micro-batch.
+
+        Only TRL's own calls get the placeholder: those made directly from the body of
+        `GRPOTrainer._generate_and_score_completions` (the caller's code object is checked). Anything else that runs
+        meanwhile (reward functions, `rollout_func`, an environment) and calls `_get_per_token_logps_and_entropies`
+        gets the real pass. Should TRL move its passes into a helper, they would simply run (correct, not deferred):
+        tests/test_trainer.py::test_dropped_rows_never_reach_a_forward would then fail."""
         saved = vars(self).get("_get_per_token_logps_and_entropies")
+        real = self._get_per_token_logps_and_entropies  # what any other caller gets, unchanged
 
         def placeholder(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+            if sys._getframe(1).f_code is not TRL_SCORING_CODE:  # a reward function, rollout_func, ...: real values
+                return real(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
             nan = torch.full((), math.nan, device=input_ids.device)
             return nan.expand(input_ids.size(0), logits_to_keep), None, None
 
@@ -127,8 +143,9 @@ class DeferredLogProbPasses:
         )
 
     def _log_vllm_ratio(self, chunks, local, device):
-        """TRL's five vLLM metrics over the kept rows of all ranks (their latest values, appended by TRL from the
-        placeholder, are replaced), with the buffer's counters: one gather (several processes) and one host copy."""
+        """TRL's five vLLM metrics over the kept rows, reduced over ranks as TRL reduces them (`vllm_metrics`: means
+        of per-rank means, extremes of per-rank extremes; their latest values, appended by TRL from the placeholder,
+        are replaced), with the buffer's counters: one gather (several processes) and one host copy."""
         stats = torch.stack([self._vllm_ratio_stats(c) for c in chunks]).double()  # (micro-batches, 7)
         reduced = torch.stack(
             [
@@ -145,18 +162,12 @@ class DeferredLogProbPasses:
         per_rank = torch.cat([reduced, counters]).unsqueeze(0)
         if self.accelerator.num_processes > 1:
             per_rank = self.accelerator.gather(per_rank.to(device))
-        r = per_rank.cpu()
-        sums = r.sum(0).tolist()
-        d_sum, d_n, r_sum, r_n = sums[0], sums[1], sums[4], sums[5]
-        d_max, r_min, r_max = float(r[:, 2].max()), float(r[:, 3].min()), float(r[:, 6].max())
-        values = (d_sum / d_n if d_n else 0.0, d_max if d_n else 0.0) + (
-            (r_min, r_sum / r_n, r_max) if r_n else (0.0, 0.0, 0.0)
-        )
+        r = per_rank.cpu().double()
         metrics = self._metrics["train"]
-        for key, value in zip(VLLM_METRICS, values, strict=True):
+        for key, value in zip(VLLM_METRICS, vllm_metrics(r[:, :7]), strict=True):
             if metrics[key]:
                 metrics[key][-1] = value
             else:
                 metrics[key].append(value)
-        for key, value in zip(local, sums[7:], strict=True):
+        for key, value in zip(local, r[:, 7:].sum(0).tolist(), strict=True):
             self._cost_aware_totals[key] += value

@@ -221,7 +221,10 @@ class AcceleratorCollective:
         return self.accelerator.gather(local).amax(0).cpu().tolist()
 
     def cat(self, x):
-        return self.accelerator.gather(x.float().to(self.device)).cpu().double()
+        # float64 bit for bit, whatever the device: the float64 host tensor travels as its int64 bit pattern (every
+        # backend gathers int64; not every device has float64) and is read back as float64 on the host.
+        bits = x.double().contiguous().view(torch.int64)
+        return self.accelerator.gather(bits.to(self.device)).cpu().view(torch.float64)
 
     def sum(self, values):
         local = torch.tensor([list(values.values())], dtype=torch.float64, device=self.device)

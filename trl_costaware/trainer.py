@@ -3,9 +3,16 @@
 Mohri, Globerson, Kaplan, Koren, Mansour, "Cost-Aware Learning", arXiv 2604.28020 (2026); the method as built here is
 stated in docs/algorithm.md.
 
-The trainer overrides little and copies nothing from TRL but the reference-model branch of the deferred log-prob pass
-(`deferred.py`, which mirrors TRL's: TRL has no helper for it): it calls `GRPOTrainer`'s methods and post-processes
-what they return. Per generation batch it gathers the rows' statistics on the host, calls
+The trainer overrides little: it calls `GRPOTrainer`'s methods and post-processes what they return. Some TRL logic is
+re-derived rather than called, because TRL has no helper for it, with drift guards that fail the suite when TRL
+changes: the reference-model branch of the deferred log-prob pass and TRL's condition for running its old-policy and
+reference passes (`deferred.py`; tests/test_trainer.py::test_deferred_logps_match_trls_by_value,
+tests/test_trainer_review.py::test_deferred_pass_condition_is_trls), and the vLLM importance-sampling ratio
+(`vllm_ratio.py`; tests/test_vllm.py compares it with TRL's own, row by row and mode by mode). The reductions over
+ranks of TRL's five vLLM metrics are transcribed from TRL 1.16 (`vllm_ratio.vllm_metrics`, tested against that
+transcription, not against TRL's running code).
+
+Per generation batch it gathers the rows' statistics on the host, calls
 `plan.plan_batch` once (the whole decision: eligibility, distribution, m, draw, weights, factors, metrics) and applies
 the plan. The math lives in `sampling.py`, `budget.py`, `proxy.py`; the batch layout in `batching.py`.
 """

@@ -14,6 +14,9 @@ With d_it = (old_it − sampling_it) · mask_it, and NaN replaced by 0 (a token 
     *_mask:      r ← 0 where r < clip_min or r > clip_max      (a bound that is None is ±∞)
 
 Masked tokens have d = 0, so columns where the mask is 0 (padding) do not change a row's value.
+
+`vllm_metrics` forms TRL's five `sampling/*` metrics from each rank's sums, over ranks as TRL does: the mean of the
+per-rank means and the extreme of the per-rank extremes (a rank without a token counts 0, as in TRL).
 """
 
 from __future__ import annotations
@@ -55,3 +58,35 @@ def vllm_importance_sampling_ratio(
     low = clip_min if clip_min is not None else -math.inf
     high = clip_max if clip_max is not None else math.inf
     return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+
+
+def vllm_metrics(per_rank: torch.Tensor) -> tuple[float, float, float, float, float]:
+    """TRL's five vLLM metrics (`sampling/sampling_logp_difference/{mean,max}`, `sampling/importance_sampling_ratio/
+    {min,mean,max}`) from each rank's statistics, reduced over ranks as `GRPOTrainer._generate_and_score_completions`
+    reduces them.
+
+    `per_rank` (R, 7), one row per rank: [Σ|Δ|, n_Δ, max |Δ|, min r, Σ r, n_r, max r] over that rank's loss tokens
+    (Δ = old − sampling log-prob, NaN excluded; r per token, or per row for the sequence modes). Per rank,
+    mean |Δ| = Σ|Δ|/n_Δ and mean r = Σr/n_r, and a statistic over no token is 0 (as TRL's `torch.tensor(0.0)`). Then
+
+        logp_difference/mean = (1/R) Σ_ranks mean |Δ|        logp_difference/max = max_ranks max |Δ|
+        ratio/min = min_ranks min r      ratio/mean = (1/R) Σ_ranks mean r      ratio/max = max_ranks max r
+
+    (TRL's nan-aware reductions over ranks: the per-rank values here are never NaN.) A rank with many tokens weighs
+    as much as a rank with few, exactly as in TRL's charts of the same names.
+    """
+    s = per_rank.double()
+    has_d, has_r = s[:, 1] > 0, s[:, 5] > 0
+    zero = torch.zeros(len(s), dtype=torch.float64)
+    d_mean = torch.where(has_d, s[:, 0] / s[:, 1].clamp(min=1.0), zero)
+    d_max = torch.where(has_d, s[:, 2], zero)
+    r_min = torch.where(has_r, s[:, 3], zero)
+    r_mean = torch.where(has_r, s[:, 4] / s[:, 5].clamp(min=1.0), zero)
+    r_max = torch.where(has_r, s[:, 6], zero)
+    return (
+        float(d_mean.mean()),
+        float(d_max.max()),
+        float(r_min.min()),
+        float(r_mean.mean()),
+        float(r_max.max()),
+    )
