@@ -23,7 +23,7 @@ TEST_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_
 	TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 WANDB_MODE ?= offline
 
-.PHONY: install test test-all test-gpu demo demo-long diagnose-long lint format clean
+.PHONY: install test test-all test-gpu demo demo-long diagnose-long diagnose-default rebuild-testbeds lint format clean
 
 install: $(STAMP)
 
@@ -54,14 +54,26 @@ demo: $(STAMP)
 	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.demo
 
 # The long testbed (counting, completions of 2 to 96 tokens, wrong ones run on to the cap): GRPO and Cost-Aware GRPO,
-# progress bars, outputs/demo-long/heldout_accuracy.png. Its warm-up takes ~10 min on one core the first time.
+# progress bars, outputs/demo-long/heldout_accuracy.png. Both testbeds load their shipped warm-up weights (no training).
 demo-long: $(STAMP)
 	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.demo --testbed long
 
-# What the long testbed's rollouts look like at the start of GRPO, and which of its properties hold.
+# What the long testbed's rollouts look like at the start of GRPO, and which of its properties hold (1,024 rollouts;
+# benchmarks/results/diagnose_long_start.json is this command's --json output).
 diagnose-long: $(STAMP)
 	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.diagnose --testbed long \
 		$(if $(wildcard benchmarks/results/token_efficiency_full_long.json),--results benchmarks/results/token_efficiency_full_long.json,)
+
+# The same on the default testbed (2,048 rollouts; benchmarks/results/diagnose_default_start.json).
+diagnose-default: $(STAMP)
+	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.diagnose --testbed default
+
+# Rebuild both testbeds' warm-ups from their recipes on this machine (~1 + ~6-10 min on one core) into
+# outputs/rebuilt/, and compare each with the shipped weights (SHA-256, max |difference|). BENCHMARKS.md §5,
+# "Rebuilding the testbeds on any machine", says why a rebuild on another CPU need not match.
+rebuild-testbeds: $(STAMP)
+	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.rebuild default --out outputs/rebuilt/default
+	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.rebuild long --out outputs/rebuilt/long
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

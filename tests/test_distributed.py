@@ -8,7 +8,9 @@ self-normalised weights). The worker saves each rank's full state dict and its s
 - both ranks end with identical weights (every backend);
 - every backend ends with the same weights as DDP (within float tolerance; weights move ~2e-3 from the start);
 - the sampler drew the same rows with the same globally normalised weights under every backend;
-- a rank with all-zero advantages neither hangs nor desynchronises, and the metrics say so.
+- a rank with all-zero advantages neither hangs nor desynchronises, and the metrics say so;
+- a rank (or every rank) without a loss token trains on for every loss type, β = 0 and β > 0 (one launch of
+  `tests/dist_workers/empty_batch_worker.py` covering every case).
 
 Markers: `multiprocess` (launches processes), `deepspeed` (ZeRO), `slow` (ZeRO-3 offload, which compiles DeepSpeed's
 CPU Adam on first use, and the example script under each config). See DEVELOPERS.md.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import json
+import math
 import os
 import shutil
 import socket
@@ -538,6 +541,63 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
         assert 0.0 < h["cost_aware/informative_fraction"] <= 0.5  # rank 1's half of the rows carries nothing
         if backend == "ddp":
             assert h["cost_aware/kept_row_fraction"] == 0.5  # rank 1 still trained its zero-weight rows
+
+
+# ---------------------------------------------------------------------------------------------------- empty batches
+EMPTY_WORKER = ROOT / "tests" / "dist_workers" / "empty_batch_worker.py"
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
+EMPTY_CASES = [f"{loss}:{beta}:rank1" for loss in LOSS_TYPES for beta in ("0.0", "0.04")] + [
+    "grpo:0.04:all",
+    "bnpo:0.0:all",
+    "dapo:0.04:all",
+]
+
+
+@pytest.mark.multiprocess
+def test_empty_batches_train_on(tiny_model, tmp_path):
+    """A rank with no loss token (rank1: rank 1's completions all truncated under `mask_truncated_completions`, rank
+    0's all ended) and a whole step without one (all), every loss type, β = 0 and β > 0, in one launch: no hang, no
+    error (bnpo divided by zero), identical weights on both ranks, the KL metric logged whenever β > 0 (β must never
+    become 0 on one rank only: TRL's KL branch holds a collective), the step moved the weights when rank 0 had signal
+    and left them in place (as GRPOTrainer does) when no rank had a loss token."""
+    out = tmp_path / "out"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+        str(EMPTY_WORKER),
+        "--model",
+        tiny_model,
+        "--out",
+        str(out),
+        "--cases",
+        ",".join(EMPTY_CASES),
+    ]
+    seconds = run(cmd, tmp_path / "log.txt")
+    print(f"[empty_batches] {len(EMPTY_CASES)} cases, {seconds:.1f} s")
+    r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+    for case in EMPTY_CASES:
+        loss_type, beta, empty = case.split(":")
+        a, b = r0[case], r1[case]
+        assert a["checksum"] == b["checksum"], f"{case}: the ranks' weights differ"
+        assert b["loss_tokens"] == [0.0], case  # the case is the one meant
+        assert (a["loss_tokens"][0] > 0) == (empty == "rank1"), case
+        for rec in (a, b):
+            row = next(h for h in rec["log_history"] if "loss" in h)
+            assert math.isfinite(row["loss"]), case
+            assert ("kl" in row) == (float(beta) > 0), case
+            assert all(s is None or s > 0 for s in rec["kl_scale"]), case
+        if empty == "all":
+            assert a["moved"] == 0.0, case
+            assert a["kl_scale"] == b["kl_scale"] == ([1.0] if loss_type in ("dapo", "cispo", "vespo") else [None])
+        else:
+            assert a["moved"] > 0, case
 
 
 # ---------------------------------------------------------------------------------------------------- the example

@@ -79,11 +79,13 @@ def test_run_uses_fewer_full_micro_batches(tmp_path, tiny_model_path):
         return [float(i) for i in range(len(completions))]
 
     seen = {}
-    for full in (False, True):
+    arms = {"even": dict(cost_aware_layout="even"), "full": {}, "packed": dict(cost_aware_layout="packed")}
+    for arm, options in arms.items():
+        full = arm == "full"
         trainer = CostAwareGRPOTrainer(
             tiny_model_path,
             [reward],
-            args=_config(tmp_path / str(full), cost_aware_full_micro_batches=full),
+            args=_config(tmp_path / arm, cost_aware_full_micro_batches=full, **options),
             train_dataset=arithmetic_dataset(32, seed=0),
         )
         rows = []
@@ -95,6 +97,7 @@ def test_run_uses_fewer_full_micro_batches(tmp_path, tiny_model_path):
         handle = trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
         trainer.train()
         handle.remove()
-        seen[full] = (rows, trainer._cost_aware_totals["rows_generated"], trainer._cost_aware_totals["rows_kept"])
-    assert seen[False] == ([2, 2, 2, 2], 16, 8)
-    assert seen[True] == ([4, 4], 16, 8)
+        seen[arm] = (rows, trainer._cost_aware_totals["rows_generated"], trainer._cost_aware_totals["rows_kept"])
+    assert seen["even"] == ([2, 2, 2, 2], 16, 8)
+    assert seen["full"] == ([4, 4], 16, 8)
+    assert seen["packed"] == ([4, 4], 16, 8)  # the same micro-batches; its 2 no-op micro-steps skip the model

@@ -432,15 +432,20 @@ def test_no_slot_for_zero_signal_rows(tmp_path, model_path, dataset):
     assert all(len(indices) == len(batch["advantages"]) for batch, indices, _ in seen)
 
 
+@pytest.mark.parametrize("layout", ["even", "packed"])
 @pytest.mark.parametrize("rule", ["fraction", "token_budget"])
-def test_kept_rows_follow_the_configured_rule(tmp_path, model_path, dataset, rule):
-    """m from the fraction (rounded down to steps_per_generation) or from the token budget (budget / E_p[c]), then
-    capped by the informative rows; β > 0 so every row is eligible and the cap does not bind."""
+def test_kept_rows_follow_the_configured_rule(tmp_path, model_path, dataset, rule, layout):
+    """m from the fraction (rounded down to steps_per_generation under the even layout, to 1 under the packed one) or
+    from the token budget (budget / E_p[c]), then capped by the informative rows; β > 0 so every row is eligible and
+    the cap does not bind."""
     from trl_costaware.sampling import sampling_distribution, sampling_scores, sequence_costs
 
-    overrides = dict(steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05)
+    overrides = dict(
+        steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05, cost_aware_layout=layout
+    )
+    multiple = 2 if layout == "even" else 1
     if rule == "fraction":
-        overrides["cost_aware_kept_fraction"] = 0.7  # 0.7 · 16 = 11.2 → 11 → 10 (multiple of 2)
+        overrides["cost_aware_kept_fraction"] = 0.7  # 0.7 · 16 = 11.2 → 11 (packed) → 10 (even: multiple of 2)
     else:
         overrides["cost_aware_token_budget"] = 90  # a few rows of ~20 tokens: far from the default fraction's 8
     trainer = CostAwareGRPOTrainer(
@@ -452,12 +457,12 @@ def test_kept_rows_follow_the_configured_rule(tmp_path, model_path, dataset, rul
     for batch, indices, _ in seen:
         n = len(batch["advantages"])
         if rule == "fraction":
-            expected = 10
+            expected = 10 if layout == "even" else 11
         else:
             costs = sequence_costs(batch["prompt_mask"], batch["completion_mask"])
             p = sampling_distribution(sampling_scores(batch["advantages"], costs), 0.1)
             expected = int(90 // float((p * costs.double()).sum()))
-            expected = max(2, min(n, expected) // 2 * 2)
+            expected = max(multiple, min(n, expected) // multiple * multiple)
             assert expected != n // 2, "retune the budget: it gives the default fraction's count"
         assert len(indices) == expected
 

@@ -131,3 +131,25 @@ def regroup_by_length(
     chunks = [select_rows(merged, order[i * size : (i + 1) * size]) for i in range(k)]
     perm = torch.randperm(k, generator=generator).tolist()
     return [chunks[i] for i in perm]
+
+
+def noop_micro_batch(batch: dict) -> dict:
+    """A micro-batch that trains on nothing: one row of one prompt token (row 0's last, attended) and one completion
+    token (row 0's first) with completion mask 0 (tool mask 0), advantage 0; `SCALAR_KEYS` pass through. Every loss
+    type masks its per-token loss with the completion mask (and clamps its divisors at 1), so its forward/backward
+    adds exactly zero gradient while a backend still sees a micro-step. The attended prompt token keeps every
+    attention row non-empty (an all-masked row would give NaN, and NaN · 0 is not 0)."""
+    check_keys(batch)
+    prompt_ids = batch["prompt_ids"][:1, -1:]
+    completion_ids = batch["completion_ids"][:1, :1]
+    out = {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(batch["prompt_mask"][:1, -1:]),
+        "completion_ids": completion_ids,
+        "completion_mask": torch.zeros_like(batch["completion_mask"][:1, :1]),
+        "advantages": torch.zeros_like(batch["advantages"][:1]),
+    }
+    if batch.get("tool_mask") is not None:
+        out["tool_mask"] = torch.zeros_like(batch["tool_mask"][:1, :1])
+    out.update({key: batch[key] for key in SCALAR_KEYS if key in batch})
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ from trl import GRPOConfig
 
 from ._compat import check_trl_version
 from .budget import AUTO, KeptFraction
-from .layout import full_micro_batch_layout
+from .layout import LAYOUTS, full_micro_batch_layout, layout_of, sampling_floor_warning
 from .plan import check_loss_type
 from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
 
@@ -129,7 +130,19 @@ class CostAwareGRPOConfig(GRPOConfig):
             Lay the kept rows into full micro-batches: `per_device_train_batch_size` kept rows each and
             `cost_aware_kept_fraction × gradient_accumulation_steps` of them per optimizer step, with the same
             generation batch (see `layout.py`). Fewer, fuller micro-batches are what make the update time fall with
-            the tokens on an accelerator. Needs a fixed kept fraction.
+            the tokens on an accelerator. Needs a fixed kept fraction. The packed layout (`cost_aware_layout`) makes
+            the same full micro-batches for any kept fraction and for `"auto"`; this field stays for configs that set
+            it (the layout is then `"even"`: its micro-batches are already full).
+        cost_aware_layout (`str`, defaults to `"auto"`):
+            How the kept rows are cut into micro-batches (docs/layout.md). `"packed"`: per optimizer step, its kept
+            rows sorted by length in as few micro-batches of up to `per_device_train_batch_size` rows as they need;
+            the step's other micro-steps are no-ops (skipped where that is safe: one process, and DDP's non-syncing
+            micro-steps; a 1-token forward/backward with no loss token otherwise), so the update's compute falls
+            with the kept rows at every micro-batch size and m need not be a multiple of `steps_per_generation`.
+            Same gradient as `"even"` for the same rows (tests/test_layout.py). `"even"`: TRL's split, m/S rows
+            in each of the S micro-steps (m a multiple of S: at `per_device_train_batch_size=1` nothing is dropped).
+            `"auto"`: `"packed"`, or `"even"` with `cost_aware_full_micro_batches`, TRL's entropy bonus or a router
+            aux loss (which packing would re-weight).
     """
 
     cost_aware: bool = field(
@@ -234,6 +247,16 @@ class CostAwareGRPOConfig(GRPOConfig):
             "fraction; the three fields must come out whole."
         },
     )
+    cost_aware_layout: str = field(
+        default="auto",
+        metadata={
+            "help": "Micro-batch layout of the kept rows: 'packed' (each optimizer step's kept rows, sorted by "
+            "length, in as few micro-batches of up to per_device_train_batch_size rows as they need; the other "
+            "micro-steps are no-ops), 'even' (TRL's split: m / steps_per_generation rows per micro-step) or 'auto' "
+            "('packed', or 'even' with cost_aware_full_micro_batches, an entropy bonus or a router aux loss).",
+            "choices": list(LAYOUTS),
+        },
+    )
 
     def __post_init__(self):
         if self.cost_aware and self.cost_aware_full_micro_batches:
@@ -258,6 +281,17 @@ class CostAwareGRPOConfig(GRPOConfig):
                     "cost_aware_kept_fraction='auto' and cost_aware_token_budget both choose the kept row count; "
                     f"set one of them (got cost_aware_token_budget={self.cost_aware_token_budget})"
                 )
+        if self.cost_aware:
+            layout = layout_of(self)  # a ValueError naming the fields for a layout that cannot be made equal
+            warning = sampling_floor_warning(
+                layout,
+                self.per_device_train_batch_size,
+                self.steps_per_generation,
+                self.gradient_accumulation_steps,
+                self.cost_aware_kept_fraction,
+            )
+            if warning is not None:
+                warnings.warn(warning, UserWarning, stacklevel=3)
         if not (
             isinstance(self.cost_aware_budget_delta, int | float) and 0.0 <= self.cost_aware_budget_delta < math.inf
         ):

@@ -1,23 +1,30 @@
-"""How the kept rows of a generation batch are laid out into micro-batches (pure arithmetic, no trainer).
+"""How the kept rows of a generation batch are laid out into micro-batches (pure arithmetic; docs/layout.md).
 
 TRL splits each rank's generation batch of N = B · S rows (B = `per_device_train_batch_size`, S =
-`steps_per_generation`) into S micro-batches of B rows. Cost-aware sampling keeps m = f · N of them, so by default
-each micro-batch holds f · B rows and there are as many micro-batches as before. On an accelerator a micro-batch of few
-rows costs nearly as much as a full one (kernel launches, the per-step weight-gradient work, which scales with the
-parameter count rather than the tokens), so the update time falls much less than the tokens.
+`steps_per_generation`) into S micro-batches of B rows. Cost-aware sampling keeps m of them. Three layouts:
 
-The full layout keeps the generation batch and the sample, and changes only how they are cut:
+- "even" (TRL's split of the m rows): m/S rows in every micro-step, so m is a multiple of S (at B = 1 nothing can be
+  dropped) and every micro-step still runs, with fewer rows.
+- "packed" (`packed_micro_steps`, the default through `cost_aware_layout="auto"`): each optimizer step's kept rows,
+  sorted by length, in as few micro-batches of up to B rows as they need; the optimizer step's other micro-steps are
+  no-ops. m is a multiple of the number of optimizer steps per generation batch only (`kept_multiple`).
+- the full layout (`cost_aware_full_micro_batches`, `full_micro_batch_layout`): for a fixed fraction f, the config
+  itself is rewritten,
 
     B' = B / f,    S' = f · S,    G' = f · G      (G = `gradient_accumulation_steps`)
 
-so the generation batch is B' · S' = B · S rows as before, the m = f · B · S kept rows fill S' micro-batches of
-f · B' = B rows each, and each optimizer step takes G' micro-steps instead of G (one generation batch per optimizer
-step stays one). B, S and G must make B', S' and G' whole numbers.
+  so the generation batch is B' · S' = B · S rows as before, the m = f · B · S kept rows fill S' micro-batches of
+  f · B' = B rows each, and each optimizer step takes G' micro-steps instead of G. B, S and G must make B', S' and G'
+  whole numbers.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from .sampling import kept_row_count
 
 
 @dataclass(frozen=True)
@@ -54,3 +61,190 @@ def full_micro_batch_layout(
     accumulation = _whole(gradient_accumulation_steps * f, hint)
     spg = None if steps_per_generation is None else _whole(steps_per_generation * f, hint)
     return Layout(rows, accumulation, spg)
+
+
+# ---------------------------------------------------------------------------------------------------- packed layout
+# `cost_aware_layout`: "packed" (the kept rows of each optimizer step, sorted by length, in as few micro-batches of up
+# to B rows as they need; the optimizer step's other micro-steps are no-ops), "even" (TRL's split: m/S rows in each of
+# the S micro-steps, so m is a multiple of S), "auto" (packed, unless the gradient cannot be kept equal: see
+# `resolve_layout`).
+LAYOUTS = ("auto", "packed", "even")
+
+
+def resolve_layout(requested: str, full_micro_batches: bool = False, entropy_bonus: bool = False) -> str:
+    """The layout that runs: "packed" or "even".
+
+    "auto" is "packed" unless `cost_aware_full_micro_batches` already fills the micro-batches (static layout: its
+    micro-batches hold B kept rows, so there is nothing to pack) or TRL's entropy bonus is on (`entropy_coef != 0` or
+    `use_adaptive_entropy`: TRL adds it per micro-batch as that micro-batch's token mean, so fewer, fuller
+    micro-batches would change its total and the adaptive controller's window; the packed layout is proven equal
+    only without it). An explicit "packed" with either raises, naming the fields."""
+    if requested not in LAYOUTS:
+        raise ValueError(f"cost_aware_layout must be one of {LAYOUTS}, got {requested!r}")
+    if requested == "even":
+        return "even"
+    conflict = None
+    if full_micro_batches:
+        conflict = "cost_aware_full_micro_batches=True (its static layout already fills the micro-batches)"
+    elif entropy_bonus:
+        conflict = (
+            "TRL's entropy bonus (entropy_coef != 0 or use_adaptive_entropy=True: a per-micro-batch token mean, which "
+            "packing would re-weight)"
+        )
+    if conflict is None:
+        return "packed"
+    if requested == "packed":
+        raise ValueError(
+            f"cost_aware_layout='packed' cannot be combined with {conflict}. Use cost_aware_layout='even' (or 'auto', "
+            "which then chooses it)."
+        )
+    return "even"
+
+
+def optimizer_segments(steps_per_generation: int, gradient_accumulation_steps: int) -> tuple[int, int]:
+    """(count, length) of the runs the S micro-step positions of a generation batch are cut into, g = gcd(S, G) long:
+
+        count = S / g,   length = g.
+
+    TRL runs position p = step mod S at micro-step `step`, and an optimizer step ends after every G-th micro-step;
+    a generation batch starts at a multiple of S (S · num_iterations), so the positions at which an optimizer step
+    can start, over all passes, are the multiples of g: a run never straddles two optimizer steps, and an optimizer
+    step covers G / g whole runs. With S = k·G (k optimizer steps per generation batch) the runs are the k optimizer
+    steps; with G = k·S (one optimizer step over k generation batches) there is one run, the whole buffer."""
+    g = math.gcd(steps_per_generation, gradient_accumulation_steps)
+    return steps_per_generation // g, g
+
+
+def kept_multiple(layout: str, steps_per_generation: int, gradient_accumulation_steps: int) -> int:
+    """What m must be a multiple of: S for the even layout (each micro-step gets m/S rows); for the packed layout the
+    number of runs S/g (`optimizer_segments`), so each run, hence each optimizer step, gets the same q = m·g/S ≥ 1
+    rows (an optimizer step of no-ops only would still move Adam's state). With S = G that is 1: any m."""
+    if layout == "even":
+        return steps_per_generation
+    return optimizer_segments(steps_per_generation, gradient_accumulation_steps)[0]
+
+
+def pack_sorted(lengths: Sequence[float], capacity: int) -> list[list[int]]:
+    """The indices of `lengths` in as few micro-batches of at most `capacity` rows as they need, n = ⌈k/capacity⌉:
+    rows sorted longest first (stable), cut into contiguous groups of sizes
+
+        [k − (n − 1)·capacity, capacity, ..., capacity]
+
+    (the one short group takes the longest rows, so fewer rows are padded to the longest). The sizes depend on k and
+    `capacity` only, never on the lengths: every rank packs the same k rows into micro-batches of the same sizes, which
+    TRL's loss needs (it gathers per-row tensors of each micro-batch across ranks). Returns [] for no rows."""
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1, got {capacity}")
+    k = len(lengths)
+    if k == 0:
+        return []
+    order = sorted(range(k), key=lambda i: -float(lengths[i]))
+    n = -(-k // capacity)
+    first = k - (n - 1) * capacity
+    bounds = [0] + [first + j * capacity for j in range(n)]
+    return [order[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def packed_micro_steps(
+    order: Sequence[int],
+    lengths: Sequence[float],
+    steps_per_generation: int,
+    gradient_accumulation_steps: int,
+    capacity: int,
+) -> list[list[int] | None]:
+    """The packed layout of one generation batch: for each of the S micro-step positions, the kept rows it trains on
+    (positions into the kept batch), or None for a no-op.
+
+    `order`: the m kept positions in the order that assigns them to runs (TRL's shuffle); `lengths[i]`: the tokens of
+    kept row i (prompt + completion). Run s (`optimizer_segments`: positions [s·g, (s+1)·g)) trains on
+    order[s·q : (s+1)·q], q = m·g/S, packed by `pack_sorted` into n_s = ⌈q/capacity⌉ ≤ g micro-batches, which
+    take the run's LAST n_s positions: the micro-step that ends an optimizer step (and syncs the gradients) is then
+    always a real one; the first g − n_s positions are no-ops. Every rank has the same m, so the same positions are
+    no-ops on every rank. Raises ValueError when m is not a positive multiple of S/g or q > g·capacity (more rows
+    than N)."""
+    count, g = optimizer_segments(steps_per_generation, gradient_accumulation_steps)
+    m = len(order)
+    if m < count or m % count:
+        raise ValueError(f"the packed layout needs a positive multiple of {count} kept rows, got {m}")
+    q = m // count
+    if q > g * capacity:
+        raise ValueError(f"{q} kept rows do not fit {g} micro-batches of {capacity} rows")
+    steps: list[list[int] | None] = []
+    for s in range(count):
+        rows = list(order[s * q : (s + 1) * q])
+        groups = [[rows[i] for i in group] for group in pack_sorted([lengths[i] for i in rows], capacity)]
+        steps.extend([None] * (g - len(groups)) + groups)
+    return steps
+
+
+def row_mean_scale(rows: int, run_rows: int, run_length: int) -> float:
+    """The factor on a packed micro-batch's loss for a loss type that is a mean over the micro-batch's rows (grpo,
+    sapo, dr_grpo, luspo: `plan.LOSS_NORMALISERS`, `rows=True`):
+
+        c = r · g / q     (r rows in this micro-batch; the run holds q rows over g micro-steps).
+
+    TRL divides each micro-batch's row sum by its rows r and by G, so under the even layout (q/g rows per micro-step)
+    each row weighs g / (G·q); a packed micro-batch times c gives each row (1/G)(1/r) · r·g/q = g/(G·q), the same.
+    It multiplies the whole per-token loss (policy term through the advantages, KL term through β)."""
+    return rows * run_length / run_rows
+
+
+def token_mean_scale(tokens: float, run_tokens: float, run_length: int) -> float:
+    """The factor on a packed micro-batch's KL term for bnpo (a mean over the micro-batch's own loss tokens T):
+
+        c = T · g / T_run     (1 when T or T_run is 0: the term is then 0 anyway, and β must stay non-zero).
+
+    Each kept token's KL then weighs g / (G·T_run): the run's token mean, as under the even layout when its
+    micro-batches hold equal tokens (the even layout's KL depends on how the rows happen to split). The policy term
+    needs nothing more: its factor T / (the full batch's mean micro-batch tokens) already makes it layout-free."""
+    if tokens <= 0 or run_tokens <= 0:
+        return 1.0
+    return tokens * run_length / run_tokens
+
+
+def layout_of(args) -> str:
+    """The layout a `CostAwareGRPOConfig` runs (`resolve_layout` on its fields)."""
+    entropy_bonus = getattr(args, "entropy_coef", 0.0) != 0.0 or bool(getattr(args, "use_adaptive_entropy", False))
+    return resolve_layout(args.cost_aware_layout, args.cost_aware_full_micro_batches, entropy_bonus)
+
+
+def sampling_floor_warning(
+    layout: str,
+    per_device_train_batch_size: int,
+    steps_per_generation: int,
+    gradient_accumulation_steps: int,
+    kept_fraction,
+) -> str | None:
+    """A warning naming the fields when the shape keeps more than asked, or None.
+
+    The kept count m is a multiple of k = `kept_multiple(...)` and at least k, of N = B·S rows per rank: a fixed
+    fraction f keeps m/N = max(k, ⌊round(f·N)/k⌋·k)/N, which the warning reports when it exceeds 1.1·f; under "auto"
+    or a token budget it warns when k = N (nothing can ever be dropped: the even layout at B = 1, or the packed
+    layout at B = 1 with one optimizer step per micro-step)."""
+    n = per_device_train_batch_size * steps_per_generation
+    k = kept_multiple(layout, steps_per_generation, gradient_accumulation_steps)
+    shape = (
+        f"per_device_train_batch_size={per_device_train_batch_size}, steps_per_generation={steps_per_generation}, "
+        f"gradient_accumulation_steps={gradient_accumulation_steps}, cost_aware_layout={layout!r}"
+    )
+    why = (
+        f"the kept row count is a multiple of {k} ("
+        + (
+            "every micro-step gets the same number of rows"
+            if layout == "even"
+            else "every optimizer step of the generation batch gets the same number of rows"
+        )
+        + f") out of {n} rows per rank"
+    )
+    hint = " cost_aware_layout='packed' (or 'auto') lifts the even layout's limit." if layout == "even" else ""
+    if isinstance(kept_fraction, int | float) and not isinstance(kept_fraction, bool):
+        m = kept_row_count(n, float(kept_fraction), k)
+        if m / n > 1.1 * kept_fraction:
+            return (
+                f"cost_aware_kept_fraction={kept_fraction} keeps {m}/{n} = {m / n:.2f} of each generation batch with "
+                f"{shape}: {why}.{hint}"
+            )
+        return None
+    if k >= n:
+        return f"Cost-aware sampling can drop no row with {shape}: {why}.{hint}"
+    return None

@@ -31,6 +31,7 @@ import torch
 
 from .budget import AUTO, inflation_terms, smallest_budget
 from .diagnostics import batch_metrics, rank_sums
+from .layout import kept_multiple, layout_of
 from .sampling import (
     Draw,
     capped_kept_count,
@@ -141,6 +142,11 @@ class PlanSettings:
     weight_cap: float | None = None
     steps_per_generation: int = 1
     zero_advantage_carries_gradient: bool = False
+    kept_multiple_of: int | None = None  # what m is rounded to (`layout.kept_multiple`); None: steps_per_generation
+
+    @property
+    def kept_multiple(self) -> int:
+        return self.kept_multiple_of or self.steps_per_generation
 
     def __post_init__(self):
         check_loss_type(self.loss_type)
@@ -166,6 +172,9 @@ class PlanSettings:
             weight_cap=args.cost_aware_weight_cap,
             steps_per_generation=args.steps_per_generation,
             zero_advantage_carries_gradient=zero_advantage_carries_gradient,
+            kept_multiple_of=kept_multiple(
+                layout_of(args), args.steps_per_generation, args.gradient_accumulation_steps
+            ),
         )
 
 
@@ -231,9 +240,10 @@ class Plan:
     `rule_m` this rank's own count from the configured rule (before the cross-rank reduction and the cap);
     `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0), `global_filler` their
     filler flags. `kl_scale` the β multiplier
-    of a batch-token loss (None otherwise); `micro_tokens_full` the full batch's mean micro-batch loss tokens of a
-    micro-token loss (bnpo; None otherwise). `totals` the counters summed over ranks; `metrics` the logged values
-    (without the "cost_aware/" prefix)."""
+    of a batch-token loss (None otherwise; always > 0, and exactly 1 when the kept rows have no loss token);
+    `micro_tokens_full` the full batch's mean micro-batch loss tokens of a micro-token loss (bnpo; None otherwise, and
+    None when this rank's batch has no loss token: every micro-batch then keeps factor 1). `totals` the counters
+    summed over ranks; `metrics` the logged values (without the "cost_aware/" prefix)."""
 
     indices: torch.Tensor
     factors: torch.Tensor
@@ -254,7 +264,7 @@ class Plan:
 def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, g, collective: Collective) -> tuple[int, int]:
     """(m, this rank's rule count). The rule's count is reduced over ranks (largest for "auto", so every rank and the
     step stay within δ; smallest otherwise) together with the eligible rows of the busiest rank, in one call."""
-    n, spg = len(rows), s.steps_per_generation
+    n, spg = len(rows), s.kept_multiple  # the layout's rounding of m (S for the even layout)
     auto = s.kept_fraction == AUTO
     if auto:
         m_local = smallest_budget(g, p, s.budget_delta, spg, s.draw)[0]
@@ -311,8 +321,11 @@ def plan_batch(
 
     full_tokens = float(loss_tokens.sum())
     kept_tokens = float(loss_tokens[draw.indices].sum())
-    kl_scale = full_tokens / max(kept_tokens, 1.0) if normaliser.batch_tokens else None
-    micro_tokens_full = full_tokens / s.steps_per_generation if normaliser.micro_tokens else None
+    # Exact factors when the kept rows have no loss token (their loss and KL term are 0 whatever the factor): β keeps
+    # its value (KL scale 1, never 0: TRL's `if self.beta != 0.0` branch holds collectives, so β must not become 0 on
+    # one rank only), and bnpo's micro-batches keep factor 1 (no correction: micro_tokens_full None).
+    kl_scale = (full_tokens / kept_tokens if kept_tokens > 0 else 1.0) if normaliser.batch_tokens else None
+    micro_tokens_full = full_tokens / s.steps_per_generation if normaliser.micro_tokens and full_tokens > 0 else None
 
     local = rank_sums(
         advantages,

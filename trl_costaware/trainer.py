@@ -22,6 +22,7 @@ from trl import GRPOTrainer
 from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .deferred import DEFERRED_KEYS, DeferredLogProbPasses
+from .packed import BETA_SCALE_KEY, NOOP_KEY, PackedLayout
 from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .proxy import DEFAULT_GAMMA, row_factor
 from .sampling import sequence_costs, stream_generator
@@ -52,7 +53,18 @@ def text_only_processing_class(model, processing_class, args):
     return processing_class
 
 
-class CostAwareGRPOTrainer(DeferredLogProbPasses, GRPOTrainer):
+def host_floats(values: list) -> list[float]:
+    """`values` (Python numbers and 0-d device tensors, mixed) as Python floats, in order: the tensors are read in one
+    device→host copy."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return [float(v) for v in values]
+    device = tensors[0].device
+    read = iter(torch.stack([t.detach().to(device).reshape(()).float() for t in tensors]).cpu().tolist())
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
@@ -136,6 +148,8 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, GRPOTrainer):
         self._batch_plan = None  # the plan of the latest generation batch (None: a subclass's own draw)
         self._kept_host = None  # host statistics of its kept rows, by kept position
         self._buffer_kl_scale = None  # β multiplier of the buffer being trained on (batch-token losses)
+        self._kept_batch = None  # the latest generation batch's kept rows, until `_process_new_buffer` lays them out
+        self._check_layout()
 
     # ------------------------------------------------------------------ generation batch: sample the rows
     def _generate_and_score_completions(self, inputs):
@@ -164,6 +178,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, GRPOTrainer):
         # Each row's kept position, as a host list: TRL's shuffle and split carry it along with the rows, so each
         # micro-batch's rows (and their lengths, on the host) are known without reading the device.
         batch["cost_aware_rows"] = list(range(len(kept)))
+        self._kept_batch = batch  # all m rows: TRL's split drops the last m mod S (the packed layout keeps them)
         return batch
 
     def _row_costs(self, batch) -> torch.Tensor:
@@ -294,11 +309,18 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, GRPOTrainer):
         return self._buffered_inputs[position]
 
     def _process_new_buffer(self):
-        """Runs once per generation batch, when TRL has just split it into micro-batches (before any update): length
-        grouping, trimming, the bnpo correction and the deferred passes; replaces TRL's buffer by the result."""
+        """Runs once per generation batch, when TRL has just split it into micro-batches (before any update): the
+        layout (`cost_aware_layout`: packed by `_pack_buffer`, or TRL's even split with optional length grouping),
+        trimming, the loss type's per-micro-batch corrections and the deferred passes; replaces TRL's buffer by the
+        result (one entry per micro-step position)."""
         chunks = list(self._buffered_inputs)
         host, plan = self._kept_host, self._batch_plan
-        if self.args.cost_aware:
+        kept_batch, self._kept_batch = self._kept_batch, None
+        packed = self.args.cost_aware and kept_batch is not None and self._layout == "packed"
+        beta_scales = None
+        if packed:
+            chunks, beta_scales = self._pack_buffer(kept_batch, chunks, host, plan)
+        elif self.args.cost_aware:
             positions = [c.get("cost_aware_rows") for c in chunks]
             known = host is not None and all(p is not None for p in positions)
             if self.args.cost_aware_group_by_length and len(chunks) > 1:
@@ -322,17 +344,23 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, GRPOTrainer):
             for c in chunks:
                 c.pop("cost_aware_rows", None)
                 self._compute_deferred_logps(c)
+        real = [c for c in chunks if not c.get(NOOP_KEY)]
+        if beta_scales is not None:
+            for c, scale in zip(real, beta_scales, strict=True):
+                c[BETA_SCALE_KEY] = scale  # after the deferred passes and the batching functions (unknown key there)
         self._buffer_kl_scale = plan.kl_scale if plan is not None else None
         self._buffered_inputs = self._processed_buffer = chunks
         passes = self.num_iterations  # each micro-batch is trained on once per iteration
-        padded = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in chunks)  # shapes: no transfer
+        # Tokens through the model with gradients on (shapes: no transfer); a no-op counts where it runs the model.
+        counted = real if self._noop_skippable_backend else chunks
+        padded = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in counted)
         local = {"policy_tokens_padded": passes * padded}
         if self.args.cost_aware and plan is None:  # a subclass's own draw: count the kept tokens here
-            local["policy_tokens"] = passes * float(torch.stack([row_lengths(c).sum() for c in chunks]).sum())
+            local["policy_tokens"] = passes * float(torch.stack([row_lengths(c).sum() for c in real]).sum())
         vllm = self.args.cost_aware and self.use_vllm and self.vllm_importance_sampling_correction
         device = chunks[0]["completion_mask"].device
         if vllm:
-            self._log_vllm_ratio(chunks, local, device)
+            self._log_vllm_ratio(real, local, device)
         else:
             for key, value in self._sum_over_ranks(local, device).items():
                 self._cost_aware_totals[key] += value
@@ -361,12 +389,13 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, GRPOTrainer):
 
     # ------------------------------------------------------------------ logging and checkpoints
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        flags = self._metrics["train"].get("cost_aware/grad_clipped")
-        if flags and isinstance(flags[0], torch.Tensor):  # one device→host copy per logging step
-            device = flags[0].device
-            self._metrics["train"]["cost_aware/grad_clipped"] = (
-                torch.stack([f.to(device).reshape(()) for f in flags]).cpu().tolist()
-            )
+        # TRL averages the window of the mode it logs and clears only that one: an evaluation-time `log` leaves the
+        # train window open, so the flags appended after it join floats already read. Read every flag still on the
+        # device (one device→host copy per logging step), whatever its position.
+        mode = "train" if self.model.training else "eval"
+        flags = self._metrics[mode].get("cost_aware/grad_clipped")
+        if flags:
+            self._metrics[mode]["cost_aware/grad_clipped"] = host_floats(flags)
         # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
         # eval curves can be drawn against policy tokens too.
         logs.update({f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items()})

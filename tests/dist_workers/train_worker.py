@@ -67,6 +67,8 @@ def parse_args(argv=None):
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--max-completion-length", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layout", default="auto", help="cost_aware_layout")
+    p.add_argument("--optim", default="adamw_torch", help="sgd: the weights move by the gradient itself")
     return p.parse_args(argv)
 
 
@@ -131,6 +133,8 @@ def main(argv=None) -> int:
         cost_aware_kept_fraction=args.kept_fraction,
         cost_aware_token_budget=args.token_budget,
         cost_aware_weight_normalization=args.weight_normalization,
+        cost_aware_layout=args.layout,
+        optim=args.optim,
     )
     peft_config = None
     if args.lora:

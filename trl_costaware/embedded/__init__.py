@@ -2,7 +2,7 @@
 
 from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward, warmed_up_model_path
 
-model_path = warmed_up_model_path()          # tiny Llama + char tokenizer, SFT-warmed, cached on disk
+model_path = warmed_up_model_path()          # tiny Llama + char tokenizer, SFT-warmed: shipped weights (shipped.py)
 train_dataset = arithmetic_dataset(1024)      # "3+5+2=" -> "8,10|10"
 reward_funcs = [arithmetic_reward]            # 1.0 for the right final answer, else 0.0
 """

@@ -3,9 +3,10 @@
     python -m trl_costaware.embedded.diagnose --testbed long
     python -m trl_costaware.embedded.diagnose --testbed long --results benchmarks/results/token_efficiency_long.json
 
-Samples `--batches` generation batches from the warmed-up model exactly as the testbed's GRPO recipe does (training
-prompts of seed 0 onwards, `num_generations` rollouts per prompt, T = 1, the recipe's length cap), scores them with
-the task's reward and prints, over all those rollouts:
+Samples `--batches` generation batches (default 8 on long, 2 on default) from the warmed-up model (the shipped
+weights, `shipped.py`; their SHA-256 is printed) exactly as the testbed's GRPO recipe does (training prompts of seed
+0 onwards, `num_generations` rollouts per prompt, T = 1, the recipe's length cap), scores them with the task's reward
+and prints, over all those rollouts:
 
 - completion lengths (EOS included): p10 / median / p90, p90/p10, the cap, the fraction truncated at the cap (no EOS
   within it);
@@ -26,8 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 from typing import Any
+
+from .shipped import SHIPPED
 
 # The criteria of the long testbed (issue 18; BENCHMARKS.md, "The long testbed").
 CRITERIA = {
@@ -41,6 +45,10 @@ CRITERIA = {
     "uniform_0.25_steps": ("uniform 0.25 steps to target / GRPO", ">= 1.2", lambda v: v >= 1.2),
     "run_wall_s": ("GRPO run, training wall (s, one core)", "<= 180", lambda v: v <= 180),
 }
+
+
+# As the committed benchmarks/results/diagnose_{long,default}_start.json: 1,024 long rollouts, 2,048 default ones.
+DEFAULT_BATCHES = {"long": 8, "default": 2}
 
 
 def group_advantages(rewards, num_generations: int):
@@ -60,6 +68,7 @@ def rollout_stats(testbed: str = "long", batches: int = 4, seed: int = 0) -> dic
     from transformers import AutoTokenizer
 
     from ..sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution
+    from .shipped import file_sha256
     from .testbed import get_testbed
     from .warmup import sample_completions
 
@@ -69,6 +78,7 @@ def rollout_stats(testbed: str = "long", batches: int = 4, seed: int = 0) -> dic
     rows = recipe["per_device_train_batch_size"] * recipe.get("steps_per_generation", 1)
     cap = recipe["max_completion_length"]
     path = bed.model_path()
+    weights_sha256 = file_sha256(os.path.join(path, "model.safetensors"))
     tok = AutoTokenizer.from_pretrained(path)
     ds = bed.dataset(batches * rows // g, seed)
     prompts = list(ds["prompt"])
@@ -103,6 +113,8 @@ def rollout_stats(testbed: str = "long", batches: int = 4, seed: int = 0) -> dic
     return {
         "testbed": testbed,
         "model": path,
+        "weights_sha256": weights_sha256,
+        "shipped": weights_sha256 == SHIPPED[bed.warmup].sha256 if bed.warmup in SHIPPED else False,
         "rollouts": len(texts),
         "batches": batches,
         "cap": cap,
@@ -149,6 +161,7 @@ def report(stats: dict[str, Any], runs: dict[str, Any] | None = None) -> str:
     lines = [
         f"Testbed {stats['testbed']!r} at the start of GRPO: {stats['rollouts']} rollouts in {stats['batches']} "
         f"generation batches, model {stats['model']}",
+        _weights_line(stats),
         f"completion length p10 / median / p90 = {stats['length_p10']:.0f} / {stats['length_median']:.0f} / "
         f"{stats['length_p90']:.0f} tokens; reward mean {stats['reward_mean']:.3f}; mean length right "
         f"{_fmt(stats['mean_length_right'])}, wrong {_fmt(stats['mean_length_wrong'])}; mean rollout cost "
@@ -171,6 +184,14 @@ def report(stats: dict[str, Any], runs: dict[str, Any] | None = None) -> str:
     return "\n".join(lines)
 
 
+def _weights_line(stats: dict[str, Any]) -> str:
+    sha = stats.get("weights_sha256")
+    if sha is None:
+        return "weights sha256 not recorded"
+    which = "the shipped weights" if stats.get("shipped") else "NOT the shipped weights (a rebuild, or another model)"
+    return f"weights sha256 {sha}: {which}"
+
+
 def _fmt(v) -> str:
     return "—" if v is None else f"{v:.1f}"
 
@@ -178,12 +199,15 @@ def _fmt(v) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--testbed", default="long", choices=("default", "long"))
-    parser.add_argument("--batches", type=int, default=4, help="generation batches to sample")
+    parser.add_argument(
+        "--batches", type=int, default=None, help="generation batches to sample (default: 8 on long, 2 on default)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--results", default=None, help="token_efficiency.py result JSON for the run properties")
     parser.add_argument("--json", default=None, help="also write the measurements to this JSON file")
     args = parser.parse_args(argv)
-    stats = rollout_stats(args.testbed, args.batches, args.seed)
+    batches = DEFAULT_BATCHES[args.testbed] if args.batches is None else args.batches
+    stats = rollout_stats(args.testbed, batches, args.seed)
     runs = None
     if args.results:
         with open(args.results, encoding="utf-8") as fh:

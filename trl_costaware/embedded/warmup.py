@@ -17,7 +17,8 @@ from .arithmetic import (
     max_completion_tokens,
 )
 from .counting import counting_dataset, run_on_completion
-from .model import MODEL_VERSION, tiny_model_path
+from .model import MODEL_VERSION, shipped_model_path, tiny_model_path
+from .shipped import SHIPPED, rebuild_requested
 from .tasks import get_task
 
 # Bump when a recipe changes, so stale cache entries are not reused.
@@ -165,21 +166,35 @@ def _sft_phase(
 
 
 def warmed_up_model_path(
-    cache_dir: str | os.PathLike | None = None, *, seed: int = 0, steps: int | None = None, recipe: str = "default"
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    seed: int = 0,
+    steps: int | None = None,
+    recipe: str = "default",
+    rebuild: bool | None = None,
 ) -> str:
     """`tiny_model_path` after a short SFT warm-up (prompt-completion, loss on the completion only).
 
     `recipe` names an entry of `WARMUP_RECIPES` (`steps` overrides its step count). The default warm-up stops early
     and teaches a habit the reward punishes (see `WarmupRecipe`): sampled at temperature 1 the model solves most short
-    problems and few long ones, so GRPO groups have reward variance and GRPO has room to improve. Cached like
-    `tiny_model_path` (one entry per seed, recipe and steps; ~40 s to build on one core).
+    problems and few long ones, so GRPO groups have reward variance and GRPO has room to improve.
+
+    The testbeds' models (recipes "default" and "long" at seed 0 and their own step counts) are shipped with the
+    package (`shipped.py`): this returns a cache directory holding exactly those weights, checked by SHA-256, the
+    same on every machine and with no training. With `rebuild` (default ``$TRL_COSTAWARE_REBUILD``), and for any other
+    seed, step count or recipe, the recipe runs on this machine (~40 s on one core for "default", ~6-10 min for
+    "long"), from `tiny_model_path(seed=seed, rebuild=rebuild)`; a rebuild need not match the shipped weights bit for
+    bit on another CPU (BENCHMARKS.md §5, "Rebuilding the testbeds on any machine"). Cached like `tiny_model_path`.
     """
     if recipe not in WARMUP_RECIPES:
         raise ValueError(f"recipe must be one of {sorted(WARMUP_RECIPES)}, got {recipe!r}")
     spec = WARMUP_RECIPES[recipe]
     steps = spec.steps if steps is None else int(steps)
     root = cache_root(cache_dir)
-    base = tiny_model_path(root, seed=seed)
+    rebuild = rebuild_requested(rebuild)
+    if recipe in SHIPPED and seed == 0 and steps == spec.steps and not rebuild:
+        return shipped_model_path(root, recipe, trained=True)
+    base = tiny_model_path(root, seed=seed, rebuild=rebuild)
     name = f"warm-{MODEL_VERSION}{WARMUP_VERSION}-{recipe}-seed{seed}-steps{steps}"
     return cached_build(root, name, lambda out: _run_warmup(base, out, seed=seed, steps=steps, recipe=spec))
 
