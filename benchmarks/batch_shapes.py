@@ -242,17 +242,20 @@ def summarise(per_rank: list[list[dict]]) -> list[dict]:
             row[key] = first[key]
         rows.append(row)
     by_size = {}
-    for row in rows:
-        by_size.setdefault(row["size"], {})[row["arm"]] = row
-    for arms in by_size.values():
-        grpo = arms.get("grpo")
-        for row in arms.values():
+    for row in rows:  # an arm named twice (a repeat) is compared with the first grpo and packed row of its size
+        by_size.setdefault(row["size"], []).append(row)
+    for same_size in by_size.values():
+        first = {}
+        for row in same_size:
             row["kept_row_fraction"] = row["rows_kept"] / row["rows_generated"]
             row["kept_share"] = row["kept_tokens"] / row["rollout_tokens"]
-        for name, row in arms.items():
+            first.setdefault(row["arm"], row)
+        grpo = first.get("grpo")
+        for row in same_size:
+            name = row["arm"]
             if grpo is None or name == "grpo":
                 continue
-            packed = arms.get("packed_" + name.split("_", 1)[1])
+            packed = first.get("packed_" + name.split("_", 1)[1])
             per_rollout = row["grad_tokens"] / row["rollout_tokens"]
             row["compute"] = per_rollout / (grpo["grad_tokens"] / grpo["rollout_tokens"])
             row["update_time"] = row["update_s"] / grpo["update_s"]

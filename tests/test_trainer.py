@@ -467,12 +467,19 @@ def test_kept_rows_follow_the_configured_rule(tmp_path, model_path, dataset, rul
         assert len(indices) == expected
 
 
-@pytest.mark.parametrize("bf16", [False, True])
-def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, model_path, dataset, bf16):
+@pytest.mark.parametrize(("bf16", "layout"), [(False, "even"), (True, "even"), (False, "packed")])
+def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, model_path, dataset, bf16, layout):
     """num_iterations=1, steps_per_generation = 2 × gradient_accumulation_steps: TRL needs old-policy log-probs, and
-    before the first update they must equal the policy pass's exactly (ratio 1, as in TRL), in bf16 too."""
+    before the first update they must equal the policy pass's exactly (ratio 1, as in TRL), in bf16 too, and on the
+    packed layout's micro-batches (its no-op micro-steps carry none: they train on nothing)."""
     args = make_args(
-        tmp_path, steps_per_generation=4, gradient_accumulation_steps=2, max_steps=1, bf16=bf16, beta=0.05
+        tmp_path,
+        steps_per_generation=4,
+        gradient_accumulation_steps=2,
+        max_steps=1,
+        bf16=bf16,
+        beta=0.05,
+        cost_aware_layout=layout,
     )
     trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
     pairs = []
@@ -486,13 +493,17 @@ def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, mod
         return out
 
     def loss(model, inputs):
+        if inputs.get("cost_aware_noop"):
+            return original_loss(model, inputs)
         pairs.append({"old": inputs["old_per_token_logps"], "ref": inputs["ref_per_token_logps"]})
         pairs[-1]["mask"] = inputs["completion_mask"].bool()
         return original_loss(model, inputs)
 
     trainer._compute_loss, trainer._get_per_token_logps_and_entropies = loss, logps
     trainer.train()
-    assert len(pairs) == 2  # two micro-steps before the first (and only) optimizer step
+    # two micro-steps before the first (and only) optimizer step; packed: the real ones among them (at least the last)
+    real = [not c.get("cost_aware_noop") for c in trainer._processed_buffer[:2]]
+    assert real[-1] and len(pairs) == sum(real) and (layout == "packed" or len(pairs) == 2)
     for pair in pairs:
         assert torch.equal(pair["old"][pair["mask"]], pair["new"][pair["mask"]])
         assert torch.equal(pair["ref"][pair["mask"]], pair["new"][pair["mask"]])  # ref = policy before any update

@@ -387,7 +387,13 @@ CONTROLS = {
 def test_matrix_controls_fail(warm_model_path, dataset, tmp_path, monkeypatch, control, micro):
     """Each deliberately wrong estimator (or target) is flagged by the same statistic and thresholds."""
     loss_type, scale, patch = CONTROLS[control]
-    trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=micro)
+    # The even layout: the packed one corrects a row-mean loss per micro-batch from the same normaliser table the
+    # patch changes, and with one packed micro-batch of 2·(m/2) rows that correction (×2) is exactly the N/m the
+    # dapo control removes. The packed layout's own corrections are checked against the even layout's gradient
+    # (tests/test_packed_layout.py, which fails without them).
+    trainer = make_trainer(
+        warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=micro, cost_aware_layout="even"
+    )
     if patch == "ones":
         _weights_forced_to_one(monkeypatch, trainer)
     else:

@@ -139,7 +139,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             the step's other micro-steps are no-ops (skipped where that is safe: one process, and DDP's non-syncing
             micro-steps; a 1-token forward/backward with no loss token otherwise), so the update's compute falls
             with the kept rows at every micro-batch size and m need not be a multiple of `steps_per_generation`.
-            Same gradient as `"even"` for the same rows (tests/test_layout.py). `"even"`: TRL's split, m/S rows
+            Same gradient as `"even"` for the same rows (tests/test_packed_layout.py). `"even"`: TRL's split, m/S rows
             in each of the S micro-steps (m a multiple of S: at `per_device_train_batch_size=1` nothing is dropped).
             `"auto"`: `"packed"`, or `"even"` with `cost_aware_full_micro_batches`, TRL's entropy bonus or a router
             aux loss (which packing would re-weight).
