@@ -110,9 +110,11 @@ class CostAwareGRPOConfig(GRPOConfig):
             `"systematic"` (fixed size, without replacement, Horvitz–Thompson weights) or `"multinomial"` (with
             replacement, Hansen–Hurwitz weights; duplicates are trained twice).
         cost_aware_weight_normalization (`str`, defaults to `"recenter"`):
-            `"recenter"` (w − mean + 1, floored at 0: the method as its users know it; a small bias for a lower
-            variance, measured in tests/test_recenter.py), `"none"` (the Horvitz–Thompson weights: exactly unbiased for
-            the policy term), `"self_normalize"` (w / mean); the mean is over the kept rows of all ranks. Chosen in
+            `"recenter"` (w − mean + w̄₀, floored at 0: the method as its users know it), `"none"` (the
+            Horvitz–Thompson weights: exactly unbiased for the policy term), `"self_normalize"` (w · w̄₀ / mean); the
+            mean is over the kept rows of all ranks and w̄₀ is its expectation under the design (|S|/N, S the rows that
+            can be drawn: `sampling.design_weight_terms`). Both normalisations keep the gradient's scale but are
+            biased (a ratio estimator's O(1/m) bias; measured in docs/algorithm.md §2.5). Chosen in
             BENCHMARKS.md §5: with the `"auto"` kept fraction, `"none"` needs 1.06× [1.03, 1.10] the tokens of
             recentred weights on the long testbed (20 seeds) and the same on the short one.
         cost_aware_weight_floor (`float` or `None`, defaults to `None`):
@@ -206,9 +208,10 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_weight_normalization: str = field(
         default="recenter",
         metadata={
-            "help": "'recenter' (w - mean + 1, floored at 0; slightly biased, lower variance), 'none' "
-            "(Horvitz-Thompson weights, exactly unbiased for the policy term) or 'self_normalize' (w / mean); the "
-            "mean is over the kept rows of all ranks.",
+            "help": "'recenter' (w - mean + w0, floored at 0; biased, lower variance), 'none' "
+            "(Horvitz-Thompson weights, exactly unbiased for the policy term) or 'self_normalize' (w * w0 / mean); "
+            "the mean is over the kept rows of all ranks, w0 its expectation under the design (|S|/N, S the rows "
+            "that can be drawn). Measured bias: docs/algorithm.md section 2.5.",
             "choices": list(WEIGHT_NORMALIZATIONS),
         },
     )
