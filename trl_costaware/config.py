@@ -115,8 +115,9 @@ class CostAwareGRPOConfig(GRPOConfig):
             mean is over the kept rows of all ranks and w̄₀ is its expectation under the design (|S|/N, S the rows that
             can be drawn: `sampling.design_weight_terms`). Both normalisations keep the gradient's scale but are
             biased (a ratio estimator's O(1/m) bias; measured in docs/algorithm.md §2.5). Chosen in
-            BENCHMARKS.md §5: with the `"auto"` kept fraction, `"none"` needs 1.06× [1.03, 1.10] the tokens of
-            recentred weights on the long testbed (20 seeds) and the same on the short one.
+            BENCHMARKS.md §5: with the `"auto"` kept fraction, `"none"` needed 1.06× [1.03, 1.10] the tokens of
+            recentred weights on the long testbed (20 seeds) and the same on the short one, measured with the old
+            centre 1; rerun with the centre w̄₀ (long testbed, 20 seeds): 1.00× [0.99, 1.02].
         cost_aware_weight_floor (`float` or `None`, defaults to `None`):
             Lower clamp for the weights (≥ 0; `"recenter"` uses 0 when unset, since weights must stay non-negative).
         cost_aware_weight_cap (`float` or `None`, defaults to `None`):
