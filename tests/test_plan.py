@@ -324,6 +324,8 @@ def test_plan_settings_mirror_the_config_on_kept_fraction_and_token_budget():
         PlanSettings(token_budget=100.0)
     assert PlanSettings(kept_fraction=None, token_budget=100.0).token_budget == 100.0
     s = PlanSettings()
+    assert (s.weight_normalization, s.weight_floor) == ("none", None)  # the config's default
+    s = PlanSettings(weight_normalization="recenter")
     assert (s.weight_normalization, s.weight_floor) == ("recenter", 0.0)  # floored at 0, as the config does
 
 

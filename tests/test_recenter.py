@@ -1,16 +1,26 @@
-"""The default weights, "recenter" (w − mean(w) + w̄₀ over the kept non-filler rows of all ranks, floored at 0).
+"""The default weights are "none" (the exactly unbiased Horvitz–Thompson weights); "recenter" (w − mean(w) + w̄₀ over
+the kept non-filler rows of all ranks) is floored at 0.
 
-Its bias along the full-batch gradient is measured in tests/test_unbiased_matrix.py, on batches where 0–75% of the
-rows cannot be drawn (w̄₀, the design's expected mean weight, is |S|/N there, not 1: `sampling.design_weight_terms`).
-This module's earlier Monte Carlo measured on a batch where almost every row could be drawn, so it could not see that
-centring at 1 scaled the gradient by N/|S|; the matrix replaces it.
+The recentred estimator's bias along the full-batch gradient is measured in tests/test_unbiased_matrix.py, on batches
+where 0–75% of the rows cannot be drawn (w̄₀, the design's expected mean weight, is |S|/N there, not 1:
+`sampling.design_weight_terms`). This module's earlier Monte Carlo measured on a batch where almost every row could be
+drawn, so it could not see that centring at 1 scaled the gradient by N/|S|; the matrix replaces it.
 """
 
 from __future__ import annotations
 
 
-def test_recenter_is_the_default():
+def _args(**overrides):
     from trl_costaware import CostAwareGRPOConfig
 
-    args = CostAwareGRPOConfig(output_dir="unused", use_cpu=True, report_to="none", bf16=False)
+    return CostAwareGRPOConfig(output_dir="unused", use_cpu=True, report_to="none", bf16=False, **overrides)
+
+
+def test_none_is_the_default():
+    args = _args()
+    assert (args.cost_aware_weight_normalization, args.cost_aware_weight_floor) == ("none", None)
+
+
+def test_recenter_is_floored_at_zero():
+    args = _args(cost_aware_weight_normalization="recenter")
     assert (args.cost_aware_weight_normalization, args.cost_aware_weight_floor) == ("recenter", 0.0)

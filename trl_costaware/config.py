@@ -109,15 +109,17 @@ class CostAwareGRPOConfig(GRPOConfig):
         cost_aware_draw (`str`, defaults to `"systematic"`):
             `"systematic"` (fixed size, without replacement, Horvitz–Thompson weights) or `"multinomial"` (with
             replacement, Hansen–Hurwitz weights; duplicates are trained twice).
-        cost_aware_weight_normalization (`str`, defaults to `"recenter"`):
-            `"recenter"` (w − mean + w̄₀, floored at 0: the method as its users know it), `"none"` (the
-            Horvitz–Thompson weights: exactly unbiased for the policy term), `"self_normalize"` (w · w̄₀ / mean); the
+        cost_aware_weight_normalization (`str`, defaults to `"none"`):
+            `"none"` (the Horvitz–Thompson weights: exactly unbiased for the policy term), `"recenter"` (w − mean +
+            w̄₀, floored at 0: the seeds' "re-centring"), `"self_normalize"` (w · w̄₀ / mean); the
             mean is over the kept rows of all ranks and w̄₀ is its expectation under the design (|S|/N, S the rows that
             can be drawn: `sampling.design_weight_terms`). Both normalisations keep the gradient's scale but are
-            biased (a ratio estimator's O(1/m) bias; measured in docs/algorithm.md §2.5). Chosen in
-            BENCHMARKS.md §5: with the `"auto"` kept fraction, `"none"` needed 1.06× [1.03, 1.10] the tokens of
-            recentred weights on the long testbed (20 seeds) and the same on the short one, measured with the old
-            centre 1; rerun with the centre w̄₀ (long testbed, 20 seeds): 1.00× [0.99, 1.02].
+            biased (a ratio estimator's O(1/m) bias: +1% to +13% along the full-batch gradient, measured in
+            docs/algorithm.md §2.5). `"none"` is the default again (it was `"recenter"` from 0a2f1ba on): the 1.06×
+            [1.03, 1.10] token advantage that made recentring the default was measured with the old centre 1, which
+            scaled the gradient by N/|S|; rerun with the centre w̄₀ (long testbed, `"auto"`, 20 seeds) `"none"` needs
+            1.00× [0.99, 1.02] recentring's tokens, end accuracy −0.001 [−0.005, +0.002]: no measured gain left to
+            pay a bias for (BENCHMARKS.md §5).
         cost_aware_weight_floor (`float` or `None`, defaults to `None`):
             Lower clamp for the weights (≥ 0; `"recenter"` uses 0 when unset, since weights must stay non-negative).
         cost_aware_weight_cap (`float` or `None`, defaults to `None`):
@@ -207,10 +209,10 @@ class CostAwareGRPOConfig(GRPOConfig):
         },
     )
     cost_aware_weight_normalization: str = field(
-        default="recenter",
+        default="none",
         metadata={
-            "help": "'recenter' (w - mean + w0, floored at 0; biased, lower variance), 'none' "
-            "(Horvitz-Thompson weights, exactly unbiased for the policy term) or 'self_normalize' (w * w0 / mean); "
+            "help": "'none' (the default: Horvitz-Thompson weights, exactly unbiased for the policy term), "
+            "'recenter' (w - mean + w0, floored at 0; biased) or 'self_normalize' (w * w0 / mean; biased); "
             "the mean is over the kept rows of all ranks, w0 its expectation under the design (|S|/N, S the rows "
             "that can be drawn). Measured bias: docs/algorithm.md section 2.5.",
             "choices": list(WEIGHT_NORMALIZATIONS),

@@ -137,7 +137,7 @@ class PlanSettings:
     proxy: str = "advantage"
     smoothing: float = 0.1
     draw: str = "systematic"
-    weight_normalization: str = "recenter"  # the config's default; "recenter" is floored at 0 when no floor is given
+    weight_normalization: str = "none"  # the config's default; "recenter" is floored at 0 when no floor is given
     weight_floor: float | None = None
     weight_cap: float | None = None
     steps_per_generation: int = 1
