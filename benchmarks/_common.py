@@ -48,14 +48,17 @@ ENV = {
 # The fixed-fraction arms name their kept fraction: the config's default is "auto", and an arm must not change
 # meaning when a default does.
 HALF = {"cost_aware_kept_fraction": 0.5}
+# Arms without "recenter" in their name name their weights too: from 0a2f1ba until the default went back to "none",
+# they silently inherited the recentred default (the partial regime-matrix runs of BENCHMARKS.md §6 did).
+NONE = {"cost_aware_weight_normalization": "none"}
 ARMS: dict[str, dict] = {
     "grpo": {"trainer": "grpo", "settings": {}},
     "zero_adv_filter": {"trainer": "zero_adv_filter", "settings": {}},
-    "uniform_0.5": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "uniform", **HALF}},
+    "uniform_0.5": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "uniform", **HALF, **NONE}},
     "pods_0.5": {"trainer": "max_variance", "settings": {"cost_aware_kept_fraction": 0.5}},
-    "cost_aware_0.25": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.25}},
-    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {**HALF}},
-    "cost_aware_0.75": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.75}},
+    "cost_aware_0.25": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.25, **NONE}},
+    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {**HALF, **NONE}},
+    "cost_aware_0.75": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.75, **NONE}},
     "cost_aware_0.5_recenter": {
         "trainer": "cost_aware",
         "settings": {**HALF, "cost_aware_weight_normalization": "recenter"},
@@ -74,12 +77,15 @@ ARMS: dict[str, dict] = {
         "trainer": "cost_aware",
         "settings": {"cost_aware_proxy": "uniform", **HALF, "cost_aware_weight_normalization": "recenter"},
     },
-    "cost_aware_auto": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": "auto"}},
+    "cost_aware_auto": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": "auto", **NONE}},
     "cost_aware_auto_recenter": {
         "trainer": "cost_aware",
         "settings": {"cost_aware_kept_fraction": "auto", "cost_aware_weight_normalization": "recenter"},
     },
-    "cost_aware_0.5_loss_aware": {"trainer": "cost_aware", "settings": {**HALF, "cost_aware_proxy": "loss_aware"}},
+    "cost_aware_0.5_loss_aware": {
+        "trainer": "cost_aware",
+        "settings": {**HALF, "cost_aware_proxy": "loss_aware", **NONE},
+    },
     "cost_aware_auto_recenter_loss_aware": {  # the loss-aware proxy at the package defaults
         "trainer": "cost_aware",
         "settings": {
@@ -90,11 +96,11 @@ ARMS: dict[str, dict] = {
     },
     "cost_aware_0.5_group_by_length": {
         "trainer": "cost_aware",
-        "settings": {**HALF, "cost_aware_group_by_length": True},
+        "settings": {**HALF, "cost_aware_group_by_length": True, **NONE},
     },
     "cost_aware_0.5_full_micro": {
         "trainer": "cost_aware",
-        "settings": {**HALF, "cost_aware_full_micro_batches": True},
+        "settings": {**HALF, "cost_aware_full_micro_batches": True, **NONE},
     },
 }
 # Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
