@@ -19,6 +19,7 @@ from trl_costaware.layout import (
     resolve_layout,
     row_mean_scale,
     sampling_floor_warning,
+    spread_sorted,
     token_mean_scale,
 )
 from trl_costaware.plan import LOSS_NORMALISERS, PlanSettings, RowStats, plan_batch
@@ -248,6 +249,7 @@ def test_no_op_micro_steps_that_run_the_model_add_no_gradient_and_no_metric(tmp_
     options = dict(loss_type="grpo", steps_per_generation=4, max_steps=2, beta=0.04, cost_aware_layout="packed")
     skipped, grads_skipped, shapes_skipped = _train(tmp_path, tiny_model_path, "skip", **options)
     monkeypatch.setattr(CostAwareGRPOTrainer, "_noop_skippable_backend", property(lambda self: False))
+    monkeypatch.setattr(CostAwareGRPOTrainer, "_pack_fill", property(lambda self: True))  # keep the no-ops
     ran, grads_ran, shapes_ran = _train(tmp_path, tiny_model_path, "run", **options)
     _assert_same_gradients(grads_skipped, grads_ran)
     assert len(shapes_ran) == 2 * len(shapes_skipped) and shapes_ran.count((1, 2)) == len(shapes_skipped)
@@ -258,6 +260,57 @@ def test_no_op_micro_steps_that_run_the_model_add_no_gradient_and_no_metric(tmp_
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     padded = (skipped._cost_aware_totals["policy_tokens_padded"], ran._cost_aware_totals["policy_tokens_padded"])
     assert padded[1] == padded[0] + 2 * len(shapes_skipped)  # the no-ops' tokens are counted where they run
+
+
+@pytest.mark.parametrize("per_device_train_batch_size", [2, 4])
+def test_where_no_ops_run_the_model_the_rows_spread_over_the_even_layouts_forwards(
+    tmp_path, tiny_model_path, monkeypatch, per_device_train_batch_size
+):
+    """Where a no-op would run a forward anyway (DeepSpeed: `_noop_skippable_backend` False), the packed layout spreads
+    each optimizer step's rows over all its micro-steps, sorted by length: the even layout's gradient, its number of
+    forwards and rows per forward, and each forward padded no wider than the even layout's, widest to narrowest
+    (`layout.spread_sorted`). So it is never slower than the even layout there."""
+    options = dict(
+        loss_type="grpo",
+        steps_per_generation=4,
+        max_steps=4,
+        beta=0.04,
+        per_device_train_batch_size=per_device_train_batch_size,
+        generation_kwargs={"min_new_tokens": 1},
+    )
+    _, even, even_shapes = _train(tmp_path, tiny_model_path, "even", cost_aware_layout="even", **options)
+    monkeypatch.setattr(CostAwareGRPOTrainer, "_noop_skippable_backend", property(lambda self: False))
+    trainer, spread, spread_shapes = _train(tmp_path, tiny_model_path, "spread", cost_aware_layout="packed", **options)
+    assert not trainer._pack_fill
+    _assert_same_gradients(even, spread)
+    assert len(spread_shapes) == len(even_shapes)  # no no-op: every position trains rows, as under the even layout
+    assert sorted(s[0] for s in spread_shapes) == sorted(s[0] for s in even_shapes)
+    for step in range(0, len(even_shapes), 2):  # per optimizer step (2 micro-steps): widths dominated, sorted
+        widths_even = sorted((s[1] for s in even_shapes[step : step + 2]), reverse=True)
+        widths_spread = sorted((s[1] for s in spread_shapes[step : step + 2]), reverse=True)
+        assert all(a <= b for a, b in zip(widths_spread, widths_even, strict=True))
+
+
+@given(
+    k=st.integers(0, 24),
+    count=st.integers(1, 8),
+    data=st.data(),
+)
+def test_spread_sorted_pads_no_wider_than_any_equal_split(k, count, data):
+    lengths = data.draw(st.lists(st.integers(1, 60), min_size=k, max_size=k))
+    groups = spread_sorted(lengths, count)
+    assert sorted(i for g in groups for i in g) == list(range(k))
+    assert len(groups) == min(k, count)
+    sizes = [len(g) for g in groups]
+    assert max(sizes, default=0) - min(sizes, default=0) <= 1 and sizes == sorted(sizes)
+    flat = [lengths[i] for g in groups for i in g]
+    assert flat == sorted(flat, reverse=True)
+    if k and k % count == 0:  # the even layout's sizes: any split into groups of k/count rows is no narrower
+        other = data.draw(st.permutations(list(range(k))))
+        a = k // count
+        widths_any = sorted((max(lengths[i] for i in other[j * a : (j + 1) * a]) for j in range(count)), reverse=True)
+        widths_sorted = sorted((max(lengths[i] for i in g) for g in groups), reverse=True)
+        assert all(s <= w for s, w in zip(widths_sorted, widths_any, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------------- two processes

@@ -14,6 +14,7 @@ import types
 
 import pytest
 import torch
+from test_distributed import free_port
 from test_trainer import last_metric, length_reward, make_args, weights_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
@@ -173,6 +174,9 @@ def stand_in_vllm(monkeypatch, tiny_model_path):
     """Both vLLM modes wired to the stand-in engine; returns a function giving the engine in use."""
     monkeypatch.setattr(generation_module, "is_vllm_available", lambda: True)
     monkeypatch.setattr(client_module, "is_vllm_available", lambda: True)
+    # TRL's colocate mode picks MASTER_PORT from fixed candidates (29500 first) when it is unset: two xdist workers
+    # can both see 29500 free and then collide (EADDRINUSE). A port the kernel hands out (bound to 0) for each test.
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.setattr(generation_module, "LLM", StandInLLM, raising=False)
     monkeypatch.setattr(generation_module, "SamplingParams", StandInSamplingParams, raising=False)
     monkeypatch.setattr(client_module, "requests", fake_requests, raising=False)

@@ -138,10 +138,39 @@ def pack_sorted(lengths: Sequence[float], capacity: int) -> list[list[int]]:
     k = len(lengths)
     if k == 0:
         return []
-    order = sorted(range(k), key=lambda i: -float(lengths[i]))
     n = -(-k // capacity)
     first = k - (n - 1) * capacity
-    bounds = [0] + [first + j * capacity for j in range(n)]
+    return _cut_sorted(lengths, [first] + [capacity] * (n - 1))
+
+
+def spread_sorted(lengths: Sequence[float], count: int) -> list[list[int]]:
+    """The indices of `lengths` in n = min(k, count) micro-batches of sizes as equal as possible: rows sorted longest
+    first (stable), cut into contiguous groups of sizes
+
+        [a, ..., a, a + 1, ..., a + 1]     (a = ⌊k/n⌋; the k mod n groups of a + 1 rows last),
+
+    so the smaller groups take the longest rows. For the layout where every micro-step position runs a forward anyway
+    (a no-op still runs one under DeepSpeed): with the same positions filled, fewer rows per forward and sorted groups
+    pad least. With k a multiple of `count` the sizes are the even layout's (a = k/count rows per micro-step), and
+    among all partitions into groups of a rows the sorted one has the smallest longest-row lengths, group by group:
+    the (j−1)·a + 1 longest rows fill at least j groups, so the j-th longest group maximum of any such partition is at
+    least the ((j−1)·a + 1)-th longest row, which is the j-th sorted group's maximum. The sizes depend on k and
+    `count` only (equal on every rank). Returns [] for no rows."""
+    if count < 1:
+        raise ValueError(f"count must be >= 1, got {count}")
+    k = len(lengths)
+    if k == 0:
+        return []
+    n = min(k, count)
+    a, extra = divmod(k, n)
+    return _cut_sorted(lengths, [a] * (n - extra) + [a + 1] * extra)
+
+
+def _cut_sorted(lengths: Sequence[float], sizes: Sequence[int]) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: -float(lengths[i]))
+    bounds = [0]
+    for size in sizes:
+        bounds.append(bounds[-1] + size)
     return [order[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -151,17 +180,23 @@ def packed_micro_steps(
     steps_per_generation: int,
     gradient_accumulation_steps: int,
     capacity: int,
+    fill: bool = True,
 ) -> list[list[int] | None]:
     """The packed layout of one generation batch: for each of the S micro-step positions, the kept rows it trains on
     (positions into the kept batch), or None for a no-op.
 
     `order`: the m kept positions in the order that assigns them to runs (TRL's shuffle); `lengths[i]`: the tokens of
     kept row i (prompt + completion). Run s (`optimizer_segments`: positions [s·g, (s+1)·g)) trains on
-    order[s·q : (s+1)·q], q = m·g/S, packed by `pack_sorted` into n_s = ⌈q/capacity⌉ ≤ g micro-batches, which
-    take the run's LAST n_s positions: the micro-step that ends an optimizer step (and syncs the gradients) is then
-    always a real one; the first g − n_s positions are no-ops. Every rank has the same m, so the same positions are
-    no-ops on every rank. Raises ValueError when m is not a positive multiple of S/g or q > g·capacity (more rows
-    than N)."""
+    order[s·q : (s+1)·q], q = m·g/S, cut into n_s micro-batches that take the run's LAST n_s positions: the
+    micro-step that ends an optimizer step (and syncs the gradients) is then always a real one; the first g − n_s
+    positions are no-ops. Every rank has the same m, so the same positions are no-ops on every rank.
+
+    `fill=True` (no-ops are free: one process, DDP): `pack_sorted`, n_s = ⌈q/capacity⌉, the fewest, fullest
+    micro-batches. `fill=False` (a no-op still runs a forward: DeepSpeed, FSDP): `spread_sorted`, n_s = min(q, g),
+    every position that would run anyway gets rows, sorted, so the forwards are the even layout's in number and in
+    rows, each padded no wider (with q a multiple of g), and a no-op only where q < g.
+
+    Raises ValueError when m is not a positive multiple of S/g or q > g·capacity (more rows than N)."""
     count, g = optimizer_segments(steps_per_generation, gradient_accumulation_steps)
     m = len(order)
     if m < count or m % count:
@@ -172,7 +207,9 @@ def packed_micro_steps(
     steps: list[list[int] | None] = []
     for s in range(count):
         rows = list(order[s * q : (s + 1) * q])
-        groups = [[rows[i] for i in group] for group in pack_sorted([lengths[i] for i in rows], capacity)]
+        run_lengths = [lengths[i] for i in rows]
+        cut = pack_sorted(run_lengths, capacity) if fill else spread_sorted(run_lengths, g)
+        groups = [[rows[i] for i in group] for group in cut]
         steps.extend([None] * (g - len(groups)) + groups)
     return steps
 

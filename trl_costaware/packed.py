@@ -80,7 +80,11 @@ class PackedLayout:
             lengths = row_lengths(kept_batch).cpu().tolist()
             loss_tokens = self._loss_mask(kept_batch).sum(-1).cpu().tolist()
         spg, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
-        steps = packed_micro_steps(order, lengths, spg, accumulation, self.args.per_device_train_batch_size)
+        # Where a no-op is free (skipped), the fewest, fullest micro-batches; where it runs a forward anyway (DeepSpeed),
+        # the rows spread over every position of the run: the even layout's forwards, sorted (docs/layout.md).
+        steps = packed_micro_steps(
+            order, lengths, spg, accumulation, self.args.per_device_train_batch_size, fill=self._pack_fill
+        )
         count, g = optimizer_segments(spg, accumulation)
         q = m // count
         run_tokens = [sum(loss_tokens[i] for i in order[s * q : (s + 1) * q]) for s in range(count)]
@@ -135,6 +139,12 @@ class PackedLayout:
         return accelerator.num_processes == 1 or not accelerator.gradient_state.plugin_kwargs.get(
             "sync_each_batch", False
         )
+
+    @property
+    def _pack_fill(self) -> bool:
+        """Whether runs are packed into the fewest, fullest micro-batches (no-ops are free: `_noop_skippable_backend`)
+        or spread over all their micro-step positions, sorted (a no-op would run a forward anyway)."""
+        return self._noop_skippable_backend
 
     def _compute_loss(self, model, inputs):
         """The packed layout's micro-steps (`_pack_buffer`). A no-op: on one process, and under DDP on a micro-step
