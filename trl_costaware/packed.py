@@ -80,8 +80,8 @@ class PackedLayout:
             lengths = row_lengths(kept_batch).cpu().tolist()
             loss_tokens = self._loss_mask(kept_batch).sum(-1).cpu().tolist()
         spg, accumulation = self.args.steps_per_generation, self.args.gradient_accumulation_steps
-        # Where a no-op is free (skipped), the fewest, fullest micro-batches; where it runs a forward anyway (DeepSpeed),
-        # the rows spread over every position of the run: the even layout's forwards, sorted (docs/layout.md).
+        # Where a no-op is free (skipped), the fewest, fullest micro-batches; where it runs a forward anyway
+        # (DeepSpeed), the rows spread over every position of the run: the even layout's forwards, sorted.
         steps = packed_micro_steps(
             order, lengths, spg, accumulation, self.args.per_device_train_batch_size, fill=self._pack_fill
         )
