@@ -373,3 +373,12 @@ def test_one_row_per_micro_batch_drops_rows_and_its_update_compute_falls_with_th
         grad_tokens == packed._cost_aware_totals["policy_tokens"] == packed._cost_aware_totals["policy_tokens_padded"]
     )
     assert grad_tokens < 0.6 * sum(b * w for b, w in even_shapes)
+
+
+def test_bnpo_micro_token_factor_keeps_1_for_a_micro_batch_without_loss_tokens():
+    from trl_costaware.layout import micro_token_factor
+
+    assert micro_token_factor(6.0, 4.0) == 1.5
+    assert micro_token_factor(0.0, 4.0) == 1.0
+    factors = micro_token_factor(torch.tensor([6.0, 0.0]), 4.0)
+    torch.testing.assert_close(factors, torch.tensor([1.5, 1.0]))

@@ -278,3 +278,50 @@ def test_deferred_pass_condition_is_trls(tmp_path, model_path, dataset):
         calls.clear()
         GRPOTrainer._generate_and_score_completions(trainer, raw)
         assert ("old" in calls, "ref" in calls) == trainer._deferred_passes, (accumulation, spg, iterations, beta)
+
+
+# ---------------------------------------------------------------- the counters' gather, the length grouping
+class OwnDrawTrainer(CostAwareGRPOTrainer):
+    """A subclass's own draw (every row, weight 1): no plan, so the trainer counts the kept tokens itself (the plan's
+    other counters are the subclass's to keep)."""
+
+    def _draw_kept_rows(self, batch):
+        n = len(batch["completion_ids"])
+        return torch.arange(n), torch.ones(n)
+
+
+@pytest.mark.parametrize("cls", [CostAwareGRPOTrainer, OwnDrawTrainer])
+def test_the_counters_gather_sends_the_same_keys_with_or_without_a_plan(tmp_path, model_path, dataset, cls):
+    """Per generation batch the layout's counters go through ONE gather; its keys must not depend on whether this
+    rank's draw came from the plan (a rank that sends an extra key would gather a tensor of another shape than its
+    peers). With the subclass's draw the kept tokens are those of every row."""
+    trainer = cls(model_path, [length_reward], args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
+    sent = []
+    gather = trainer._sum_over_ranks
+
+    def recording(values, device):
+        sent.append(sorted(values))
+        return gather(values, device)
+
+    trainer._sum_over_ranks = recording
+    trainer.train()
+    layout_gathers = [keys for keys in sent if "policy_tokens_padded" in keys]
+    assert layout_gathers == [["policy_tokens", "policy_tokens_padded"]]
+    totals = trainer._cost_aware_totals
+    assert 0 < totals["policy_tokens"] <= totals["policy_tokens_padded"]
+    if (
+        cls is OwnDrawTrainer
+    ):  # every row kept, counted by the trainer (a subclass's draw keeps its own other counters)
+        assert totals["rows_kept"] == 0
+    else:
+        assert totals["policy_tokens"] < totals["rollout_tokens"]
+
+
+def test_length_grouping_under_the_packed_layout_warns_that_it_has_no_effect(tmp_path):
+    with pytest.warns(UserWarning, match="cost_aware_group_by_length=True has no effect"):
+        make_args(tmp_path, cost_aware_group_by_length=True)  # the default layout: packed
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        make_args(tmp_path, cost_aware_group_by_length=True, cost_aware_layout="even")

@@ -39,10 +39,6 @@ def check_keys(batch: dict) -> None:
         )
 
 
-def num_rows(batch: dict) -> int:
-    return len(batch["completion_ids"])
-
-
 def _take(value, indices: torch.Tensor, host_indices: list[int] | None):
     if value is None:
         return None

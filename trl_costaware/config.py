@@ -126,6 +126,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             Upper clamp for the weights (> floor).
         cost_aware_group_by_length (`bool`, defaults to `False`):
             Put kept rows of similar length in the same micro-batch (less padding); micro-batch order stays random.
+            Under the even layout only: the packed layout always sorts by length (a warning says so).
         cost_aware_seed (`int` or `None`, defaults to `None`):
             Seed of the sampler's random streams (the draw and the length grouping; independent per process and per
             stream, see `sampling.stream_seed`); a whole number >= 0. `None` uses `seed`.
@@ -228,7 +229,10 @@ class CostAwareGRPOConfig(GRPOConfig):
     )
     cost_aware_group_by_length: bool = field(
         default=False,
-        metadata={"help": "Group kept rows of similar length into the same micro-batch to cut padding."},
+        metadata={
+            "help": "Group kept rows of similar length into the same micro-batch to cut padding (the even layout; the "
+            "packed layout always sorts by length, and warns that this has no effect there)."
+        },
     )
     cost_aware_seed: int | None = field(
         default=None,
@@ -298,6 +302,14 @@ class CostAwareGRPOConfig(GRPOConfig):
             )
             if warning is not None:
                 warnings.warn(warning, UserWarning, stacklevel=3)
+            if self.cost_aware_group_by_length and layout == "packed":
+                warnings.warn(
+                    "cost_aware_group_by_length=True has no effect with "
+                    f"cost_aware_layout={self.cost_aware_layout!r}, which runs the packed layout: it already sorts each optimizer step's kept rows by length into "
+                    "its micro-batches. Set cost_aware_layout='even' for TRL's split with length grouping.",
+                    UserWarning,
+                    stacklevel=3,
+                )
         if not (
             isinstance(self.cost_aware_budget_delta, int | float) and 0.0 <= self.cost_aware_budget_delta < math.inf
         ):

@@ -24,6 +24,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from .sampling import kept_row_count
 
 
@@ -237,6 +239,19 @@ def token_mean_scale(tokens: float, run_tokens: float, run_length: int) -> float
     if tokens <= 0 or run_tokens <= 0:
         return 1.0
     return tokens * run_length / run_tokens
+
+
+def micro_token_factor(tokens, micro_tokens_full: float):
+    """bnpo's factor on a micro-batch's advantages (its loss divides by the micro-batch's own loss tokens T):
+
+        T / T̄_full     (T̄_full: the full batch's mean micro-batch loss tokens; 1 when T = 0).
+
+    It replaces the micro-batch's own divisor by the full batch's, so the kept rows' loss is the full batch's up to
+    the weights. A micro-batch with no loss token adds no gradient whatever its factor; it keeps 1, as under
+    GRPOTrainer (TRL clamps its divisor at 1). `tokens` a float or a device tensor (no device→host copy)."""
+    if isinstance(tokens, torch.Tensor):
+        return torch.where(tokens > 0, tokens / micro_tokens_full, torch.ones_like(tokens, dtype=torch.float))
+    return tokens / micro_tokens_full if tokens > 0 else 1.0
 
 
 def layout_of(args) -> str:

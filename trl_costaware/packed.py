@@ -14,7 +14,14 @@ import warnings
 import torch
 
 from .batching import noop_micro_batch, row_lengths, select_rows, trim_to_longest
-from .layout import layout_of, optimizer_segments, packed_micro_steps, row_mean_scale, token_mean_scale
+from .layout import (
+    layout_of,
+    micro_token_factor,
+    optimizer_segments,
+    packed_micro_steps,
+    row_mean_scale,
+    token_mean_scale,
+)
 from .plan import check_loss_type
 
 # Keys of the packed layout's micro-batches (host values; TRL's loss reads neither): a no-op micro-step, and the
@@ -109,7 +116,7 @@ class PackedLayout:
             elif normaliser.micro_tokens:
                 beta_scale = token_mean_scale(tokens, run_tokens[position // g], g)
                 if plan is not None and plan.micro_tokens_full is not None:
-                    chunk["advantages"] = chunk["advantages"] * (tokens / plan.micro_tokens_full)
+                    chunk["advantages"] = chunk["advantages"] * micro_token_factor(tokens, plan.micro_tokens_full)
             self._compute_deferred_logps(chunk)
             out.append(chunk)
             beta_scales.append(beta_scale)

@@ -29,6 +29,7 @@ from trl import GRPOTrainer
 from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .deferred import DEFERRED_KEYS, DeferredLogProbPasses
+from .layout import micro_token_factor
 from .packed import BETA_SCALE_KEY, NOOP_KEY, PackedLayout
 from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .proxy import DEFAULT_GAMMA, row_factor
@@ -347,7 +348,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
                 # bnpo: replace each micro-batch's own token count by the full batch's mean micro-batch count.
                 for c, p in zip(chunks, positions, strict=True):
                     tokens = float(host["loss_tokens"][p].sum()) if known else self._loss_mask(c).sum()
-                    c["advantages"] = c["advantages"] * (tokens / plan.micro_tokens_full)
+                    c["advantages"] = c["advantages"] * micro_token_factor(tokens, plan.micro_tokens_full)
             for c in chunks:
                 c.pop("cost_aware_rows", None)
                 self._compute_deferred_logps(c)
@@ -362,8 +363,11 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
         counted = real if self._noop_skippable_backend else chunks
         padded = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in counted)
         local = {"policy_tokens_padded": passes * padded}
-        if self.args.cost_aware and plan is None:  # a subclass's own draw: count the kept tokens here
-            local["policy_tokens"] = passes * float(torch.stack([row_lengths(c).sum() for c in real]).sum())
+        if self.args.cost_aware:
+            # The plan counted the kept tokens already; a subclass's own draw (no plan) is counted here. The key is
+            # sent on every rank alike, so the ranks' gathers keep one shape whatever each rank's draw was.
+            kept = 0.0 if plan is not None else sum(float(row_lengths(c).sum()) for c in real)
+            local["policy_tokens"] = passes * kept
         vllm = self.args.cost_aware and self.use_vllm and self.vllm_importance_sampling_correction
         device = chunks[0]["completion_mask"].device
         if vllm:
