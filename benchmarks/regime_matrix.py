@@ -50,7 +50,7 @@ MATRIX_ARMS = ("grpo", "cost_aware_auto_recenter", "cost_aware_auto", "cost_awar
 MATRIX_ARMS += ("cost_aware_0.25",)
 CHECKPOINT_SEED = 1000
 CHECK_EVERY = 10
-LATE_MAX_STEPS = 200
+LATE_MAX_STEPS = 600  # at 200 the default testbed was at a 44% share (criterion <= 40%): the cap was raised
 LATE_INFORMATIVE_MAX = 0.40
 VARIANCE_LOSS_MIN = 0.15
 # (prompts per generation batch, learning rate), tried in this order; rollouts per prompt as the testbed's recipe.
