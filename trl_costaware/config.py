@@ -305,8 +305,9 @@ class CostAwareGRPOConfig(GRPOConfig):
             if self.cost_aware_group_by_length and layout == "packed":
                 warnings.warn(
                     "cost_aware_group_by_length=True has no effect with "
-                    f"cost_aware_layout={self.cost_aware_layout!r}, which runs the packed layout: it already sorts each optimizer step's kept rows by length into "
-                    "its micro-batches. Set cost_aware_layout='even' for TRL's split with length grouping.",
+                    f"cost_aware_layout={self.cost_aware_layout!r}, which runs the packed layout: it already sorts "
+                    "each optimizer step's kept rows by length into its micro-batches. Set cost_aware_layout='even' "
+                    "for TRL's split with length grouping.",
                     UserWarning,
                     stacklevel=3,
                 )

@@ -366,7 +366,9 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
         if self.args.cost_aware:
             # The plan counted the kept tokens already; a subclass's own draw (no plan) is counted here. The key is
             # sent on every rank alike, so the ranks' gathers keep one shape whatever each rank's draw was.
-            kept = 0.0 if plan is not None else sum(float(row_lengths(c).sum()) for c in real)
+            kept = 0.0
+            if plan is None and real:  # one device→host copy for all micro-batches
+                kept = float(torch.stack([row_lengths(c).sum() for c in real]).sum())
             local["policy_tokens"] = passes * kept
         vllm = self.args.cost_aware and self.use_vllm and self.vllm_importance_sampling_correction
         device = chunks[0]["completion_mask"].device
