@@ -294,7 +294,7 @@ class OwnDrawTrainer(CostAwareGRPOTrainer):
 def test_the_counters_gather_sends_the_same_keys_with_or_without_a_plan(tmp_path, model_path, dataset, cls):
     """Per generation batch the layout's counters go through ONE gather; its keys must not depend on whether this
     rank's draw came from the plan (a rank that sends an extra key would gather a tensor of another shape than its
-    peers). With the subclass's draw the kept tokens are those of every row."""
+    peers). With the subclass's draw the trainer counts the kept tokens itself."""
     trainer = cls(model_path, [length_reward], args=make_args(tmp_path, max_steps=1), train_dataset=dataset)
     sent = []
     gather = trainer._sum_over_ranks
@@ -309,9 +309,7 @@ def test_the_counters_gather_sends_the_same_keys_with_or_without_a_plan(tmp_path
     assert layout_gathers == [["policy_tokens", "policy_tokens_padded"]]
     totals = trainer._cost_aware_totals
     assert 0 < totals["policy_tokens"] <= totals["policy_tokens_padded"]
-    if (
-        cls is OwnDrawTrainer
-    ):  # every row kept, counted by the trainer (a subclass's draw keeps its own other counters)
+    if cls is OwnDrawTrainer:  # counted by the trainer; the plan's other counters are the subclass's to keep
         assert totals["rows_kept"] == 0
     else:
         assert totals["policy_tokens"] < totals["rollout_tokens"]
