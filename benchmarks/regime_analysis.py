@@ -197,6 +197,8 @@ def decide(cells: list[dict], split: str) -> dict:
             if ok
             else (f"none passes (a cell with fewer than {MIN_SEEDS} seeds of a setting makes no claim)")
         )
+    # GRPO itself (every row kept) passes every cell at compute ratio 1: a choice dearer than that saves nothing.
+    above_grpo = choice is not None and choice in passing and cost(choice) > 1.0
     favour = {}
     for c in cell_names:
         ok = [a for a in arms if table[a].get(c, {}).get("passes")]
@@ -211,6 +213,11 @@ def decide(cells: list[dict], split: str) -> dict:
         "how": how,
         "favour": favour,
         "cost": {a: cost(a) for a in arms},
+        "choice_costs_more_than_grpo": above_grpo,
+        "cells_dearer_than_grpo": {
+            a: [c for c in cell_names if ((table[a].get(c, {}).get("compute_ratio") or (None,))[0] or 0) > 1.0]
+            for a in arms
+        },
     }
 
 
@@ -277,7 +284,13 @@ def markdown(res: dict) -> str:
             f"Decision under the {d['split']} split: **{d['choice'] or 'no setting'}** ({d['how']}). "
             f"Cells: {', '.join(d['cells']) or 'none'}"
             + (f"; not run: {', '.join(d['cells_not_run'])}" if d["cells_not_run"] else "")
-            + f". A setting with fewer than {MIN_SEEDS} seeds in a cell makes no claim there.",
+            + f". A setting with fewer than {MIN_SEEDS} seeds in a cell makes no claim there."
+            + (
+                f" **It costs more than GRPO itself** (geometric-mean compute {d['cost'][d['choice']]:.2f} > 1): under"
+                " this split, keeping every row is cheaper over these cells."
+                if d.get("choice_costs_more_than_grpo")
+                else ""
+            ),
             "",
         ]
         lines += [
@@ -299,6 +312,14 @@ def markdown(res: dict) -> str:
                     f"{_ci(v['compute_ratio'], '{:.2f}')}"
                 )
             lines.append(f"| {arm} | " + " | ".join(cells) + f" | {_num(d['cost'][arm], '{:.2f}')} |")
+        dearer = {a: cs for a, cs in d.get("cells_dearer_than_grpo", {}).items() if cs}
+        if dearer:
+            lines += [
+                "",
+                "Cells where a setting costs more than GRPO to the target (mean compute ratio > 1): "
+                + "; ".join(f"{a}: {', '.join(cs)}" for a, cs in dearer.items())
+                + ".",
+            ]
         lines.append("")
         lines.append("Cheapest passing setting per cell: " + ", ".join(f"{c}: {a}" for c, a in d["favour"].items()))
     return "\n".join(lines)

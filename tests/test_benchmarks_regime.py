@@ -86,6 +86,21 @@ def test_decision_rule():
     assert ra.decide(cells, "gpu")["table"]["y"]["b"]["passes"]
 
 
+def test_decision_says_when_the_choice_costs_more_than_grpo():
+    """GRPO passes every cell at compute 1: a choice whose geometric-mean compute is above 1 is flagged, and each
+    setting's cells above 1 are listed."""
+    cells = [
+        {"cell": "a", "status": "run", "target": 0.8, "arms": {"x": _arm(0.0, 0.8)}},
+        {"cell": "b", "status": "run", "target": 0.9, "arms": {"x": _arm(0.0, 1.5)}},
+    ]
+    d = ra.decide(cells, "gpu")
+    assert d["choice"] == "x" and d["choice_costs_more_than_grpo"]  # sqrt(0.8 · 1.5) = 1.10
+    assert d["cells_dearer_than_grpo"] == {"x": ["b"]}
+    cells[1]["arms"]["x"] = _arm(0.0, 1.1)  # sqrt(0.8 · 1.1) = 0.94: cheaper overall, still dearer in b
+    d = ra.decide(cells, "gpu")
+    assert not d["choice_costs_more_than_grpo"] and d["cells_dearer_than_grpo"] == {"x": ["b"]}
+
+
 def test_compute_to_target_on_the_committed_runs():
     """From the committed per-seed rows: each arm's break-even is 1 / its step cost under the split; GRPO on half the
     prompts halves every phase, so its compute ratio equals its policy-token ratio under every split; and no arm run
