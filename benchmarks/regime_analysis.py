@@ -183,8 +183,12 @@ def decide(cells: list[dict], split: str) -> dict:
     cell_names = [c["cell"] for c in run]
     passing = [a for a in arms if all(table[a].get(c, {}).get("passes") for c in cell_names)]
 
+    def ratio(a, c):
+        """The setting's mean compute-to-target ratio in the cell, None where it did not run."""
+        return (table[a].get(c, {}).get("compute_ratio") or (None,))[0]
+
     def cost(a):
-        r = [table[a][c]["compute_ratio"][0] for c in cell_names if table[a][c].get("compute_ratio", (None,))[0]]
+        r = [ratio(a, c) for c in cell_names if ratio(a, c)]
         return math.exp(float(np.mean(np.log(r)))) if r else math.inf
 
     if passing:
@@ -214,10 +218,7 @@ def decide(cells: list[dict], split: str) -> dict:
         "favour": favour,
         "cost": {a: cost(a) for a in arms},
         "choice_costs_more_than_grpo": above_grpo,
-        "cells_dearer_than_grpo": {
-            a: [c for c in cell_names if ((table[a].get(c, {}).get("compute_ratio") or (None,))[0] or 0) > 1.0]
-            for a in arms
-        },
+        "cells_dearer_than_grpo": {a: [c for c in cell_names if (ratio(a, c) or 0) > 1.0] for a in arms},
     }
 
 
