@@ -102,11 +102,39 @@ ARMS: dict[str, dict] = {
         "trainer": "cost_aware",
         "settings": {**HALF, "cost_aware_full_micro_batches": True, **NONE},
     },
+    # Issue 25's rule: the kept count that minimises the predicted cost to the target. Priced by this machine's
+    # measured phase times (the CPU-like split), or by the token model at a published GPU split (the price of a
+    # generated token per testbed: `generation_token_cost` below).
+    "cost_aware_compute": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": "compute", **NONE}},
+    "cost_aware_compute_gen55": {
+        "trainer": "cost_aware",
+        "settings": {"cost_aware_kept_fraction": "compute", "cost_aware_cost_model": "tokens", **NONE},
+    },
+    "cost_aware_compute_gen77": {
+        "trainer": "cost_aware",
+        "settings": {"cost_aware_kept_fraction": "compute", "cost_aware_cost_model": "tokens", **NONE},
+    },
 }
+# GRPO's tokens per step on each testbed (token_efficiency_full_<testbed>.json, BENCHMARKS §7): generated tokens G and
+# policy tokens P (prompt + completion of every row).
+GRPO_TOKENS_PER_STEP = {"default": (7224.0, 12334.0), "long": (5839.0, 6351.0)}
+
+
+def generation_token_cost(testbed: str, generation_share: float) -> float:
+    """The token model's price of a generated token, in policy tokens, at which GRPO's step on `testbed` spends
+    `generation_share` of its cost on generation and scoring (the rest on passes and update, per policy token):
+    (s_gen / (1 − s_gen)) · P / G."""
+    gen, pol = GRPO_TOKENS_PER_STEP[testbed]
+    return generation_share / (1.0 - generation_share) * pol / gen
+
 # Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
 TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
     "long": {"grpo_half": {"per_device_train_batch_size": 8}},  # 8 prompts x 8 = 64 rollouts per step
 }
+for _tb in GRPO_TOKENS_PER_STEP:
+    for _arm, _share in (("cost_aware_compute_gen55", 0.55), ("cost_aware_compute_gen77", 0.77)):
+        _price = round(generation_token_cost(_tb, _share), 4)
+        TESTBED_ARM_SETTINGS.setdefault(_tb, {})[_arm] = {"cost_aware_generation_token_cost": _price}
 
 
 def trainer_for(kind: str):

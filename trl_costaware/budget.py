@@ -32,22 +32,27 @@ import torch
 from .sampling import DRAW_SCHEMES, _clean, inclusion_probabilities
 
 AUTO = "auto"
+COMPUTE = "compute"  # the rule of `compute_budget.cheapest_kept_count`
+RULES = (AUTO, COMPUTE)
 
 
 class KeptFraction(float):
-    """The type of a kept-fraction setting: a number in (0, 1] or the string "auto" (the δ rule above).
+    """The type of a kept-fraction setting: a number in (0, 1], the string "auto" (the δ rule above) or "compute"
+    (the cost-to-target rule of `compute_budget`).
 
     `KeptFraction("0.5")` returns the float 0.5 and `KeptFraction("auto")` the string "auto", so a dataclass field
     annotated with it parses from the command line and YAML (`HfArgumentParser` calls the annotation on the text).
     Anything else raises ValueError naming the allowed values; the range is checked by the config."""
 
     def __new__(cls, value):
-        if isinstance(value, str) and value.strip().lower() == AUTO:
-            return AUTO
+        if isinstance(value, str) and value.strip().lower() in RULES:
+            return value.strip().lower()
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ValueError(f"a kept fraction must be a number in (0, 1] or {AUTO!r}, got {value!r}") from None
+            raise ValueError(
+                f"a kept fraction must be a number in (0, 1], {AUTO!r} or {COMPUTE!r}, got {value!r}"
+            ) from None
 
 
 def _left_out(pi: torch.Tensor) -> torch.Tensor:

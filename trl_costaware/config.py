@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ._compat import check_trl_version
-from .budget import AUTO, KeptFraction
+from .budget import AUTO, RULES, KeptFraction
+from .compute_budget import COST_MODELS
 from .layout import LAYOUTS, full_micro_batch_layout, layout_of, sampling_floor_warning
 from .plan import check_loss_type
 from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
@@ -57,8 +58,8 @@ def _kept_fraction(value) -> float | str:
         fraction = None if isinstance(value, bool) else KeptFraction(value)
     except ValueError:
         fraction = None
-    if fraction is None or (fraction != AUTO and not 0.0 < fraction <= 1.0):
-        raise ValueError(f"cost_aware_kept_fraction must be a number in (0, 1] or 'auto', got {value!r}")
+    if fraction is None or (fraction not in RULES and not 0.0 < fraction <= 1.0):
+        raise ValueError(f"cost_aware_kept_fraction must be a number in (0, 1], 'auto' or 'compute', got {value!r}")
     return fraction
 
 
@@ -88,6 +89,21 @@ class CostAwareGRPOConfig(GRPOConfig):
             `"auto"`, or, when `cost_aware_token_budget` is set, that the budget alone chooses m; a fixed fraction
             must be given for `cost_aware_full_micro_batches`. Chosen in BENCHMARKS.md §5: on both embedded
             testbeds `"auto"` reaches the target with 0.68–0.73× the tokens of a fixed 0.5 at the same accuracy.
+            `"compute"`: per generation batch, the m minimising the predicted cost of the run to its target,
+            (1 + ρ (1 + I(m))) (C_fix + κ T(m)), with ρ = B_noise / N the gradient noise scale measured from the run's
+            own optimizer steps, C_fix a step's cost that does not shrink with m and κ the price of a kept policy token
+            (`trl_costaware/compute_budget.py`, docs/algorithm.md §4b; McCandlish et al. 2018, "An Empirical Model of
+            Large-Batch Training"). Every row is kept until the noise scale has its first estimate (the second
+            optimizer step); under DeepSpeed and FSDP, where the gradient is not readable, it falls back to `"auto"`.
+        cost_aware_cost_model (`str`, defaults to `"time"`):
+            With `"compute"`: `"time"` (the run's measured seconds: generation, scoring and optimizer step as C_fix,
+            update seconds per kept policy token as κ; the token model until the first generation batch is timed) or
+            `"tokens"` (C_fix = `cost_aware_generation_token_cost` × generated tokens, κ = `num_iterations`).
+        cost_aware_generation_token_cost (`float`, defaults to `1.2`):
+            The token model's price of a generated token, in policy-update tokens. 1.2: verl's Qwen3-8B GRPO step
+            (generation 55%, passes and update 45%) with completions much longer than prompts.
+        cost_aware_noise_ema (`float`, defaults to `0.9`):
+            Decay of the moving averages of the noise scale's two terms and of the measured costs, in [0, 1).
         cost_aware_budget_delta (`float`, defaults to `1.0`):
             With `cost_aware_kept_fraction="auto"`: the allowed variance inflation δ ≥ 0 of the update relative to
             training on the whole generation batch (0: keep every informative row; 1: the update may be twice as
@@ -160,8 +176,35 @@ class CostAwareGRPOConfig(GRPOConfig):
         metadata={
             "help": "Fraction m/N of each rank's generation batch kept for the policy update, rounded down to a "
             "multiple of steps_per_generation (at least one row per micro-step). In (0, 1], or 'auto': the smallest m "
-            "whose predicted variance inflation is at most cost_aware_budget_delta (largest over ranks). Unset: "
+            "whose predicted variance inflation is at most cost_aware_budget_delta (largest over ranks), or "
+            "'compute': the m minimising the predicted cost to the target, (1 + B_noise/N (1 + I(m))) (C_fix + "
+            "kappa T(m)), from the run's measured gradient noise scale and step costs (largest over ranks). Unset: "
             "'auto', or the token budget alone when cost_aware_token_budget is set."
+        },
+    )
+    cost_aware_cost_model: str = field(
+        default="time",
+        metadata={
+            "help": "With cost_aware_kept_fraction='compute', what a step costs: 'time' (each generation batch's "
+            "measured generation, scoring and optimizer seconds as the fixed cost, its update seconds per kept policy "
+            "token as kappa; the token model until the first batch is timed) or 'tokens' (fixed cost = "
+            "cost_aware_generation_token_cost x generated tokens, kappa = num_iterations per kept policy token).",
+            "choices": list(COST_MODELS),
+        },
+    )
+    cost_aware_generation_token_cost: float = field(
+        default=1.2,
+        metadata={
+            "help": "The token cost model's price of one generated token in policy-update tokens (> 0). 1.2 is "
+            "verl's published Qwen3-8B GRPO step (generation 55%, old/reference passes and update 45%) with "
+            "completions much longer than prompts."
+        },
+    )
+    cost_aware_noise_ema: float = field(
+        default=0.9,
+        metadata={
+            "help": "Decay in [0, 1) of the moving averages of the gradient noise scale's two terms and of the "
+            "measured step costs (cost_aware_kept_fraction='compute')."
         },
     )
     cost_aware_budget_delta: float = field(
@@ -286,10 +329,11 @@ class CostAwareGRPOConfig(GRPOConfig):
             self.cost_aware_kept_fraction = None if self.cost_aware_token_budget is not None else AUTO
         else:
             self.cost_aware_kept_fraction = _kept_fraction(self.cost_aware_kept_fraction)
-            if self.cost_aware_kept_fraction == AUTO and self.cost_aware_token_budget is not None:
+            if self.cost_aware_kept_fraction in RULES and self.cost_aware_token_budget is not None:
                 raise ValueError(
-                    "cost_aware_kept_fraction='auto' and cost_aware_token_budget both choose the kept row count; "
-                    f"set one of them (got cost_aware_token_budget={self.cost_aware_token_budget})"
+                    f"cost_aware_kept_fraction={self.cost_aware_kept_fraction!r} and cost_aware_token_budget both "
+                    "choose the kept row count; set one of them "
+                    f"(got cost_aware_token_budget={self.cost_aware_token_budget})"
                 )
         if self.cost_aware:
             layout = layout_of(self)  # a ValueError naming the fields for a layout that cannot be made equal
@@ -317,6 +361,14 @@ class CostAwareGRPOConfig(GRPOConfig):
             raise ValueError(
                 f"cost_aware_budget_delta must be a finite number >= 0, got {self.cost_aware_budget_delta!r}"
             )
+        if self.cost_aware_cost_model not in COST_MODELS:
+            raise ValueError(f"cost_aware_cost_model must be one of {COST_MODELS}, got {self.cost_aware_cost_model!r}")
+        price = self.cost_aware_generation_token_cost
+        if not (isinstance(price, int | float) and not isinstance(price, bool) and 0.0 < price < math.inf):
+            raise ValueError(f"cost_aware_generation_token_cost must be a finite number > 0, got {price!r}")
+        decay = self.cost_aware_noise_ema
+        if not (isinstance(decay, int | float) and not isinstance(decay, bool) and 0.0 <= decay < 1.0):
+            raise ValueError(f"cost_aware_noise_ema must be a number in [0, 1), got {decay!r}")
         budget = self.cost_aware_token_budget
         if budget is not None:
             if not _is_whole(budget) or budget < 1:
@@ -358,11 +410,11 @@ class CostAwareGRPOConfig(GRPOConfig):
 
     def _apply_full_micro_batch_layout(self):
         fraction = self.cost_aware_kept_fraction
-        fraction = None if fraction is None else _kept_fraction(fraction)  # a float, or "auto"
-        if self.cost_aware_token_budget is not None or fraction is None or fraction == AUTO:
+        fraction = None if fraction is None else _kept_fraction(fraction)  # a float, "auto" or "compute"
+        if self.cost_aware_token_budget is not None or fraction is None or fraction in RULES:
             raise ValueError(
                 "cost_aware_full_micro_batches=True needs a fixed cost_aware_kept_fraction (a number, e.g. 0.5; "
-                "unset means 'auto', whose kept row count changes from batch to batch) and no "
+                "unset means 'auto'; 'auto' and 'compute' change the kept row count from batch to batch) and no "
                 "cost_aware_token_budget: the kept row count must be known when the micro-batches are sized, got "
                 f"cost_aware_kept_fraction={self.cost_aware_kept_fraction!r}, "
                 f"cost_aware_token_budget={self.cost_aware_token_budget!r}"

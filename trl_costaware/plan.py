@@ -24,12 +24,14 @@ process). The function reads nothing but its arguments and draws only from `gene
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Protocol
 
 import torch
 
 from .budget import AUTO, inflation_terms, smallest_budget
+from .compute_budget import COMPUTE, ComputeSignal, cheapest_kept_count
 from .diagnostics import batch_metrics, rank_sums
 from .layout import kept_multiple, layout_of
 from .sampling import (
@@ -152,8 +154,10 @@ class PlanSettings:
         check_loss_type(self.loss_type)
         if self.kept_fraction is None and self.token_budget is None:
             raise ValueError("PlanSettings: kept_fraction=None needs a token_budget (the budget then chooses m)")
-        if self.kept_fraction == AUTO and self.token_budget is not None:
-            raise ValueError("PlanSettings: kept_fraction='auto' and token_budget both choose m; set one of them")
+        if self.kept_fraction in (AUTO, COMPUTE) and self.token_budget is not None:
+            raise ValueError(
+                f"PlanSettings: kept_fraction={self.kept_fraction!r} and token_budget both choose m; set one of them"
+            )
         if self.weight_normalization == "recenter" and self.weight_floor is None:
             object.__setattr__(self, "weight_floor", 0.0)  # as the config: weights stay non-negative
 
@@ -232,6 +236,10 @@ class AcceleratorCollective:
         return dict(zip(values, total, strict=True))
 
 
+# The "compute" rule's metrics (`_compute_count`), logged as their mean over ranks.
+RULE_METRICS = ("compute_rule_fallback", "compute_cost_ratio", "cost_fixed", "cost_per_token")
+
+
 # ---------------------------------------------------------------------------------------------------- output
 @dataclass
 class Plan:
@@ -264,12 +272,17 @@ class Plan:
     metrics: dict[str, float]
 
 
-def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, g, collective: Collective) -> tuple[int, int]:
-    """(m, this rank's rule count). The rule's count is reduced over ranks (largest for "auto", so every rank and the
-    step stay within δ; smallest otherwise) together with the eligible rows of the busiest rank, in one call."""
+def _kept_count(
+    rows: RowStats, s: PlanSettings, p, eligible, g, collective: Collective, signal: ComputeSignal | None, metrics: dict
+) -> tuple[int, int]:
+    """(m, this rank's rule count). The rule's count is reduced over ranks (largest for "auto" and "compute", so
+    every rank's choice is met; smallest otherwise) together with the eligible rows of the busiest rank, in one call.
+    "compute" writes its rule's metrics into `metrics` (this rank's values)."""
     n, spg = len(rows), s.kept_multiple  # the layout's rounding of m (S for the even layout)
-    auto = s.kept_fraction == AUTO
-    if auto:
+    auto = s.kept_fraction in (AUTO, COMPUTE)
+    if s.kept_fraction == COMPUTE:
+        m_local = _compute_count(rows, s, p, g, signal or ComputeSignal(), metrics)
+    elif auto:
         m_local = smallest_budget(g, p, s.budget_delta, spg, s.draw)[0]
     elif s.token_budget is not None:
         m_local = kept_rows_for_token_budget(p, rows.costs, s.token_budget, n)
@@ -281,13 +294,34 @@ def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, g, collective: Col
     return m, m_local
 
 
+def _compute_count(rows: RowStats, s: PlanSettings, p, g, signal: ComputeSignal, metrics: dict) -> int:
+    """This rank's m under the "compute" rule (`compute_budget.cheapest_kept_count`): every row before the noise
+    scale has an estimate, the δ rule where it cannot be measured (`signal.available` False)."""
+    n = len(rows)
+    if not signal.available:
+        metrics["compute_rule_fallback"] = 1.0
+        return smallest_budget(g, p, s.budget_delta, s.kept_multiple, s.draw)[0]
+    fixed, per_token = signal.costs(float(rows.generated_tokens.sum()))
+    metrics["cost_fixed"], metrics["cost_per_token"] = fixed, per_token
+    if signal.rho is None:
+        metrics["compute_rule_fallback"] = 1.0
+        return n
+    tokens = rows.prompt_tokens + rows.completion_tokens
+    choice = cheapest_kept_count(g, p, tokens, signal.rho, fixed, per_token, s.kept_multiple, s.draw)
+    metrics["compute_rule_fallback"] = 0.0
+    metrics["compute_cost_ratio"] = choice.cost_ratio
+    return choice.m
+
+
 def plan_batch(
     rows: RowStats,
     settings: PlanSettings,
     generator: torch.Generator | None = None,
     collective: Collective | None = None,
+    signal: ComputeSignal | None = None,
 ) -> Plan:
-    """The plan of one generation batch (module docstring). Every rank must call it with the same `settings`."""
+    """The plan of one generation batch (module docstring). Every rank must call it with the same `settings`;
+    `signal` (the run's measured noise scale and step costs) is read by the "compute" rule only."""
     s, collective = settings, collective or SingleProcess()
     normaliser = check_loss_type(s.loss_type)
     n = len(rows)
@@ -299,7 +333,8 @@ def plan_batch(
     # The budget's proxy: only the rows that can carry gradient have G > 0 (a row hidden by the truncation mask has
     # |A| > 0 but no loss token; counting it would make every m look infinitely noisy).
     g = gradient_proxy(advantages, rows.proxy_factors) * eligible
-    m, rule_m = _kept_count(rows, s, p, eligible, g, collective)
+    rule_metrics: dict[str, float] = {}
+    m, rule_m = _kept_count(rows, s, p, eligible, g, collective, signal, rule_metrics)
 
     filler_score = (loss_tokens > 0).double() / costs.double().clamp(min=1.0)
     draw = draw_rows(p, m, s.draw, generator, filler=filler_score)
@@ -343,15 +378,22 @@ def plan_batch(
     )
     local["fillers"] = float(filler.sum())
     local["policy_tokens"] = float((rows.prompt_tokens + rows.completion_tokens)[draw.indices].sum())
-    if s.kept_fraction == AUTO:  # the step's predicted inflation: Σ_ranks numerator / Σ_ranks denominator
-        local["inflation_num"], local["inflation_den"] = inflation_terms(g, p, m, s.draw)
+    # The step's predicted inflation (Σ_ranks numerator / Σ_ranks denominator), and the rule's metrics (mean over
+    # ranks): one sum for every rank, whatever its rule did.
+    local["inflation_num"], local["inflation_den"] = inflation_terms(g, p, m, s.draw)
+    if s.kept_fraction == COMPUTE:
+        for key in RULE_METRICS:
+            local[f"rule_{key}"] = rule_metrics.get(key, 0.0)
     total = collective.sum(local)
 
     metrics = batch_metrics(total)
     metrics["filler_row_fraction"] = total["fillers"] / total["draws"]
-    if s.kept_fraction == AUTO:
-        den = total["inflation_den"]
-        metrics["budget_inflation"] = total["inflation_num"] / den if den > 0 else 0.0
+    den = total["inflation_den"]
+    inflation = total["inflation_num"] / den if den > 0 else 0.0
+    metrics["budget_inflation"] = inflation if math.isfinite(inflation) else -1.0
+    if s.kept_fraction == COMPUTE:
+        for key in RULE_METRICS:
+            metrics[key] = total[f"rule_{key}"] / collective.size
     metrics.update(stats.as_dict(prefix="weight_"))
     metrics["weight_center"] = center
     totals = {k: total[k] for k in ("rows", "kept", "rollout_tokens", "generated_tokens", "policy_tokens")}

@@ -34,6 +34,7 @@ from .packed import BETA_SCALE_KEY, NOOP_KEY, PackedLayout
 from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .proxy import DEFAULT_GAMMA, row_factor
 from .sampling import sequence_costs, stream_generator
+from .step_signals import ComputeSignals
 from .tracking import attach_tracking, validate_report_to
 
 STATE_FILE = "cost_aware_state_rank{rank}.pt"
@@ -72,7 +73,7 @@ def host_floats(values: list) -> list[float]:
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
-class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
+class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, ComputeSignals, GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
@@ -158,6 +159,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
         self._buffer_kl_scale = None  # β multiplier of the buffer being trained on (batch-token losses)
         self._kept_batch = None  # the latest generation batch's kept rows, until `_process_new_buffer` lays them out
         self._check_layout()
+        self._init_compute_signals()  # the "compute" rule's noise scale and step costs (step_signals.py)
 
     # ------------------------------------------------------------------ generation batch: sample the rows
     def _generate_and_score_completions(self, inputs):
@@ -167,8 +169,10 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
             batch = super()._generate_and_score_completions(inputs)
             self._record_generation(batch)
             return batch
+        start = self._begin_generation()
         with self._deferred_log_prob_passes():
             batch = super()._generate_and_score_completions(inputs)
+        self._end_generation(start)
         for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
             batch.pop(key, None)
         self._batch_plan, self._batch_rows = None, None
@@ -256,8 +260,10 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
         with another row rule returning the same pair; the plan-only corrections then do not apply.)"""
         rows = self._host_row_stats(batch)
         settings = PlanSettings.from_args(self.args, self._zero_advantage_carries_gradient)
-        plan = plan_batch(rows, settings, self._sampler_generator, self._collective(batch["advantages"].device))
+        collective = self._collective(batch["advantages"].device)
+        plan = plan_batch(rows, settings, self._sampler_generator, collective, self._compute_signal())
         self._batch_plan, self._batch_rows = plan, rows
+        self._note_plan(plan, rows)
         metrics = self._metrics["train"]
         for key, value in plan.metrics.items():
             metrics[f"cost_aware/{key}"].append(value)
@@ -394,6 +400,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
     def _clip_grad_norm(self, model):
         """Records, per optimizer step, whether `max_grad_norm` clipped the gradient (`cost_aware/grad_clipped`, its
         window mean is the fraction of clipped steps), in both arms. The flag stays on the device until `log`."""
+        self._observe_gradient(model)  # the "compute" rule's noise scale reads the gradient before clipping
         norm = super()._clip_grad_norm(model)
         if norm is not None:
             clipped = (torch.as_tensor(norm).detach().float() > self.args.max_grad_norm).float()
@@ -422,6 +429,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
             "generator": self._sampler_generator.get_state(),
             "grouping_generator": self._grouping_generator.get_state(),
             "totals": dict(self._cost_aware_totals),
+            "compute": self._compute_state(),
         }
         torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.accelerator.process_index)))
 
@@ -436,3 +444,5 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
             if "grouping_generator" in state:
                 self._grouping_generator.set_state(state["grouping_generator"])
             self._cost_aware_totals.update(state["totals"])
+            if "compute" in state:
+                self._load_compute_state(state["compute"])
