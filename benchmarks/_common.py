@@ -127,6 +127,7 @@ def generation_token_cost(testbed: str, generation_share: float) -> float:
     gen, pol = GRPO_TOKENS_PER_STEP[testbed]
     return generation_share / (1.0 - generation_share) * pol / gen
 
+
 # Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
 TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
     "long": {"grpo_half": {"per_device_train_batch_size": 8}},  # 8 prompts x 8 = 64 rollouts per step

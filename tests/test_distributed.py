@@ -543,6 +543,50 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
             assert h["cost_aware/kept_row_fraction"] == 0.5  # rank 1 still trained its zero-weight rows
 
 
+# ---------------------------------------------------------------------------------------------------- "compute" rule
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["ddp", pytest.param("zero2", marks=DEEPSPEED)])
+def test_compute_rule_across_ranks(tiny_model, tmp_path, backend):
+    """cost_aware_kept_fraction='compute' (token cost model), 4 steps on two ranks. DDP: the gradient the noise scale
+    reads is the all-reduced one, so both ranks log the same noise scale and rule metrics, keep the same m, and end
+    with the same weights. ZeRO-2: the gradient is sharded outside param.grad; the rule says so (fallback 1 on every
+    step, no noise metric) and trains on with the δ rule."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(WORKER), "--model", tiny_model, "--out", str(out)]
+    cmd += ["--kept-fraction", "compute", "--cost-model", "tokens", "--max-steps", "4", "--weight-normalization"]
+    cmd += ["none"]
+    if backend == "zero2":
+        ds = {
+            "zero_optimization": {"stage": 2},
+            "train_micro_batch_size_per_gpu": "auto",
+            "train_batch_size": "auto",
+            "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto",
+        }
+        (tmp_path / "zero2.json").write_text(json.dumps(ds))
+        cmd += ["--deepspeed", str(tmp_path / "zero2.json")]
+    seconds = run(cmd, tmp_path / "log.txt")
+    print(f"[compute_rule-{backend}] {seconds:.1f} s")
+    records = load_result(out)["records"]  # identical weights on both ranks
+    r0, r1 = records
+    assert r0["kept"] == r1["kept"] and len(r0["kept"]) == 4
+    def same(h):  # the measured phase times are each rank's own
+        return {k: v for k, v in h.items() if not k.startswith("cost_aware/time_")}
+
+    logs0, logs1 = cost_aware_logs(r0), cost_aware_logs(r1)
+    assert [same(h) for h in logs0] == [same(h) for h in logs1] and len(logs0) == 4
+    if backend == "zero2":
+        assert [r["zero_stage"] for r in records] == [2, 2]
+        assert all(h["cost_aware/compute_rule_fallback"] == 1.0 for h in logs0)
+        assert not any("cost_aware/noise_grad_sq" in h for h in logs0)
+        return
+    assert logs0[0]["cost_aware/compute_rule_fallback"] == 1.0  # no noise estimate before the second step
+    assert all(h["cost_aware/compute_rule_fallback"] == 0.0 for h in logs0[2:])
+    assert all(math.isfinite(h["cost_aware/noise_grad_sq"]) for h in logs0)
+    assert all("cost_aware/noise_grad_dot" in h for h in logs0[1:])
+
+
 # ---------------------------------------------------------------------------------------------------- empty batches
 EMPTY_WORKER = ROOT / "tests" / "dist_workers" / "empty_batch_worker.py"
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")

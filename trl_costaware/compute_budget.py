@@ -59,7 +59,8 @@ GRID = 24
 
 @dataclass
 class NoiseScale:
-    """EMAs of the two terms of ρ (module docstring); `update` takes one optimizer step's raw terms."""
+    """EMAs of the two terms of ρ (module docstring); `update` takes one optimizer step's raw terms. Both start at 0
+    (their bias toward 0, 1 − decay^count, is the same and cancels in the ratio)."""
 
     decay: float = 0.9
     noise: float = 0.0
@@ -70,7 +71,7 @@ class NoiseScale:
         noise, signal = noise_terms(grad_sq, grad_dot, inflation)
         if not (math.isfinite(noise) and math.isfinite(signal)):
             return
-        d = self.decay if self.count else 0.0  # the first step sets the averages
+        d = self.decay
         self.noise = d * self.noise + (1 - d) * noise
         self.signal = d * self.signal + (1 - d) * signal
         self.count += 1
@@ -101,15 +102,22 @@ def noise_terms(grad_sq: float, grad_dot: float, inflation: float) -> tuple[floa
 
 @dataclass
 class Ema:
-    """An exponential moving average that starts at its first value (`value` is None before it)."""
+    """An exponential moving average with the start-up bias removed (Adam's correction): `value` is None before the
+    first finite update, then Σ_k d^(n−k) x_k / Σ_k d^(n−k)."""
 
     decay: float = 0.9
-    value: float | None = None
+    total: float = 0.0
+    weight: float = 0.0
 
-    def update(self, x: float) -> float:
+    def update(self, x: float) -> float | None:
         if math.isfinite(x):
-            self.value = x if self.value is None else self.decay * self.value + (1 - self.decay) * x
+            self.total = self.decay * self.total + (1 - self.decay) * x
+            self.weight = self.decay * self.weight + (1 - self.decay)
         return self.value
+
+    @property
+    def value(self) -> float | None:
+        return self.total / self.weight if self.weight > 0 else None
 
 
 def expected_kept_tokens(p: torch.Tensor, tokens: torch.Tensor, m: int, scheme: str = "systematic") -> float:

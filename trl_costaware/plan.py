@@ -273,7 +273,14 @@ class Plan:
 
 
 def _kept_count(
-    rows: RowStats, s: PlanSettings, p, eligible, g, collective: Collective, signal: ComputeSignal | None, metrics: dict
+    rows: RowStats,
+    s: PlanSettings,
+    p,
+    eligible,
+    g,
+    collective: Collective,
+    signal: ComputeSignal | None,
+    metrics: dict,
 ) -> tuple[int, int]:
     """(m, this rank's rule count). The rule's count is reduced over ranks (largest for "auto" and "compute", so
     every rank's choice is met; smallest otherwise) together with the eligible rows of the busiest rank, in one call.

@@ -184,10 +184,11 @@ class ComputeSignals:
     def _compute_state(self) -> dict:
         return {
             "noise": self._noise.state_dict(),
-            "fixed_cost": self._fixed_cost.value,
-            "token_cost": self._token_cost.value,
+            "fixed_cost": [self._fixed_cost.total, self._fixed_cost.weight],
+            "token_cost": [self._token_cost.total, self._token_cost.weight],
         }
 
     def _load_compute_state(self, state: dict):
         self._noise.load_state_dict(state["noise"])
-        self._fixed_cost.value, self._token_cost.value = state["fixed_cost"], state["token_cost"]
+        self._fixed_cost.total, self._fixed_cost.weight = state["fixed_cost"]
+        self._token_cost.total, self._token_cost.weight = state["token_cost"]

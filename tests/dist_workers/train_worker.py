@@ -61,7 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--max-steps", type=int, default=2)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--per-device-batch", type=int, default=4)
-    p.add_argument("--kept-fraction", type=float, default=0.5)
+    p.add_argument("--kept-fraction", default="0.5", help="a number, 'auto' or 'compute'")
+    p.add_argument("--cost-model", default="time", help="cost_aware_cost_model (with --kept-fraction compute)")
     p.add_argument("--token-budget", type=int, default=None, help="cost_aware_token_budget (replaces the fraction)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0)
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware import trainer as trainer_module
+    from trl_costaware.budget import KeptFraction
     from trl_costaware.embedded.arithmetic import arithmetic_dataset
 
     os.makedirs(args.out, exist_ok=True)
@@ -130,7 +132,8 @@ def main(argv=None) -> int:
         save_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
-        cost_aware_kept_fraction=args.kept_fraction,
+        cost_aware_kept_fraction=KeptFraction(args.kept_fraction),
+        cost_aware_cost_model=args.cost_model,
         cost_aware_token_budget=args.token_budget,
         cost_aware_weight_normalization=args.weight_normalization,
         cost_aware_layout=args.layout,
