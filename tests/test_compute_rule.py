@@ -109,7 +109,7 @@ def test_plan_keeps_the_cheapest_count_from_the_measured_signal(model_path, tmp_
     k = seen[0][1].kept_multiple  # the layout's rounding of m (the packed layout: optimizer steps per batch)
     assert seen[0][3].m == capped_kept_count(16, int(seen[0][3].eligible.sum()), k)
     decided = 0
-    for rows, settings, signal, plan in seen[2:]:
+    for rows, _settings, signal, plan in seen[2:]:
         assert signal.rho is not None and plan.metrics["compute_rule_fallback"] == 0.0
         g = gradient_proxy(rows.advantages) * plan.eligible
         fixed, per_token = signal.costs(float(rows.generated_tokens.sum()))
