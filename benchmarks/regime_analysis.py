@@ -33,6 +33,11 @@ MIN_SEEDS = 3  # fewer seeds in a cell: no claim there (the setting cannot pass 
 CONSERVATIVE_ORDER = ("cost_aware_0.5", "cost_aware_0.5_recenter", "cost_aware_auto", "cost_aware_auto_recenter")
 CONSERVATIVE_ORDER += ("cost_aware_0.25",)
 SPLIT_NAMES = ("cpu", "gpu", "gpu_gen77")
+# Issue 25's rule prices the split it runs under: under each split the setting "cost_aware_compute" is the arm that
+# priced that split (this machine's measured phase times for the CPU-like split, the token model at each GPU split).
+PRICED = {"cpu": "cost_aware_compute", "gpu": "cost_aware_compute_gen55", "gpu_gen77": "cost_aware_compute_gen77"}
+COMPUTE_SETTING = "cost_aware_compute"
+FIXED_FRACTIONS = ("cost_aware_0.5", "cost_aware_0.25", "cost_aware_0.75")
 
 
 def _with_compute(run: dict, weights: dict) -> list[dict]:
@@ -151,14 +156,25 @@ def _end(run):
     return float(np.mean([p["heldout_acc"] for p in run["curve"][1:]][-END_POINTS:]))
 
 
+def _setting_arms(cells: list[dict], split: str) -> dict[str, str]:
+    """Setting name → the arm whose runs stand for it under `split`: every arm as itself, except the priced arms of
+    the "compute" rule, of which only the one that priced this split appears, as `COMPUTE_SETTING`."""
+    arms = sorted({a for c in cells for a in c.get("arms", {}) if a not in ("grpo", "grpo_half")})
+    out = {a: a for a in arms if a not in PRICED.values()}
+    if PRICED[split] in arms:
+        out[COMPUTE_SETTING] = PRICED[split]
+    return out
+
+
 def decide(cells: list[dict], split: str) -> dict:
     run = [c for c in cells if c.get("status") == "run"]
-    arms = sorted({a for c in run for a in c["arms"] if a not in ("grpo", "grpo_half")})
+    sources = _setting_arms(run, split)
+    arms = sorted(sources)
     table = {}
     for arm in arms:
         per = {}
         for c in run:
-            a = c["arms"].get(arm)
+            a = c["arms"].get(sources[arm])
             if a is None or a["n"] == 0:
                 per[c["cell"]] = {"status": "not run"}
                 continue
@@ -209,6 +225,8 @@ def decide(cells: list[dict], split: str) -> dict:
         favour[c] = min(ok, key=lambda a: table[a][c]["compute_ratio"][0] or math.inf) if ok else None
     return {
         "split": split,
+        "sources": sources,
+        "goal": compute_goal(run, split, table),
         "cells": cell_names,
         "cells_not_run": [c["cell"] for c in cells if c.get("status") != "run"],
         "table": table,
@@ -220,6 +238,35 @@ def decide(cells: list[dict], split: str) -> dict:
         "choice_costs_more_than_grpo": above_grpo,
         "cells_dearer_than_grpo": {a: [c for c in cell_names if (ratio(a, c) or 0) > 1.0] for a in arms},
     }
+
+
+def compute_goal(run: list[dict], split: str, table: dict) -> dict | None:
+    """Issue 25's goal for the "compute" rule under `split`, per cell: it passes (reaches the target in every seed,
+    ends at GRPO − 0.01 or above at equal compute), and its compute to the target is at most that of the cheapest
+    fixed fraction that passes the cell: the paired per-seed ratio compute-rule / fixed (bootstrap 95% CI over seeds)
+    and whether its mean is ≤ 1. None when the rule did not run under this split."""
+    if COMPUTE_SETTING not in table:
+        return None
+    arm = PRICED[split]
+    out = {}
+    for c in run:
+        mine = table[COMPUTE_SETTING].get(c["cell"], {})
+        if mine.get("status") == "not run":
+            out[c["cell"]] = {"status": "not run"}
+            continue
+        fixed = [f for f in FIXED_FRACTIONS if table.get(f, {}).get(c["cell"], {}).get("passes")]
+        best = min(fixed, key=lambda f: table[f][c["cell"]]["compute_ratio"][0]) if fixed else None
+        row = {"passes": mine["passes"], "best_fixed": best, "ratio_to_best_fixed": None, "cheaper_or_equal": None}
+        if best is not None:
+            ours = {p["seed"]: p.get(f"ratio_compute_{split}") for p in c["arms"][arm]["per_seed"]}
+            theirs = {p["seed"]: p.get(f"ratio_compute_{split}") for p in c["arms"][best]["per_seed"]}
+            pairs = [ours[s] / theirs[s] for s in sorted(ours) if ours[s] and theirs.get(s)]
+            if pairs:
+                row["ratio_to_best_fixed"] = bootstrap_ci(np.asarray(pairs, float))
+                row["cheaper_or_equal"] = row["ratio_to_best_fixed"][0] <= 1.0
+        row["met"] = bool(mine["passes"]) and row["cheaper_or_equal"] is not False
+        out[c["cell"]] = row
+    return {"cells": out, "met": all(v.get("met") for v in out.values() if v.get("status") != "not run")}
 
 
 def _ci(t, fmt="{:+.3f}") -> str:
@@ -312,7 +359,8 @@ def markdown(res: dict) -> str:
                     f"{mark}: reached {v['reached']}, Δ end {_ci(v['end_minus_grpo'])}, compute "
                     f"{_ci(v['compute_ratio'], '{:.2f}')}"
                 )
-            lines.append(f"| {arm} | " + " | ".join(cells) + f" | {_num(d['cost'][arm], '{:.2f}')} |")
+            name = arm if d["sources"].get(arm, arm) == arm else f"{arm} (runs of {d['sources'][arm]})"
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {_num(d['cost'][arm], '{:.2f}')} |")
         dearer = {a: cs for a, cs in d.get("cells_dearer_than_grpo", {}).items() if cs}
         if dearer:
             lines += [
@@ -323,6 +371,28 @@ def markdown(res: dict) -> str:
             ]
         lines.append("")
         lines.append("Cheapest passing setting per cell: " + ", ".join(f"{c}: {a}" for c, a in d["favour"].items()))
+        goal = d.get("goal")
+        if goal is not None:
+            parts = []
+            for cn, g in goal["cells"].items():
+                if g.get("status") == "not run":
+                    parts.append(f"{cn}: not run")
+                    continue
+                vs = (
+                    "no fixed fraction passes"
+                    if g["best_fixed"] is None
+                    else f"{_ci(g['ratio_to_best_fixed'], '{:.2f}')} of {g['best_fixed']}'s compute"
+                )
+                parts.append(
+                    f"{cn}: {'passes' if g['passes'] else 'FAILS'}, {vs} → {'met' if g['met'] else 'NOT met'}"
+                )
+            lines += [
+                "",
+                f"Issue 25's goal for {COMPUTE_SETTING} under this split (passes, and at most the cheapest passing "
+                f"fixed fraction's compute, paired by seed): **{'met' if goal['met'] else 'not met'}**. "
+                + "; ".join(parts)
+                + ".",
+            ]
     return "\n".join(lines)
 
 

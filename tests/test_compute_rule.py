@@ -159,6 +159,7 @@ def test_other_rules_read_no_gradient(model_path, tmp_path):
         ("cost_aware_cost_model", "flops", "cost_aware_cost_model must be one of"),
         ("cost_aware_generation_token_cost", 0.0, "cost_aware_generation_token_cost"),
         ("cost_aware_noise_ema", 1.0, "cost_aware_noise_ema"),
+        ("cost_aware_noise_scale_factor", -0.5, "cost_aware_noise_scale_factor"),
         ("cost_aware_token_budget", 100, "both choose the kept row count"),
         ("cost_aware_full_micro_batches", True, "needs a fixed cost_aware_kept_fraction"),
     ],
@@ -172,3 +173,20 @@ def test_config_parses_the_rule_from_text(tmp_path):
     assert make_args(tmp_path, cost_aware_kept_fraction="Compute").cost_aware_kept_fraction == "compute"
     with pytest.raises(ValueError, match="'auto' or 'compute'"):
         make_args(tmp_path, cost_aware_kept_fraction="cheapest")
+
+
+def test_noise_scale_factor_scales_what_the_rule_sees(model_path, tmp_path, monkeypatch):
+    """factor 0: once the noise scale has an estimate, the rule sees ρ = 0 and keeps the fewest rows it may."""
+    seen = []
+    original = trainer_module.plan_batch
+
+    def record(rows, settings, generator=None, collective=None, signal=None):
+        plan = original(rows, settings, generator, collective, signal)
+        seen.append((settings, signal, plan))
+        return plan
+
+    monkeypatch.setattr(trainer_module, "plan_batch", record)
+    trainer = train(model_path, make_args(tmp_path, max_steps=4, cost_aware_noise_scale_factor=0.0))
+    assert trainer._noise.ratio is not None and trainer._noise.ratio > 0  # measured, then scaled away
+    for settings, signal, plan in seen[2:]:
+        assert signal.rho == 0.0 and plan.rule_m == settings.kept_multiple

@@ -571,6 +571,7 @@ def test_compute_rule_across_ranks(tiny_model, tmp_path, backend):
     records = load_result(out)["records"]  # identical weights on both ranks
     r0, r1 = records
     assert r0["kept"] == r1["kept"] and len(r0["kept"]) == 4
+
     def same(h):  # the measured phase times are each rank's own
         return {k: v for k, v in h.items() if not k.startswith("cost_aware/time_")}
 

@@ -102,6 +102,9 @@ class CostAwareGRPOConfig(GRPOConfig):
         cost_aware_generation_token_cost (`float`, defaults to `1.2`):
             The token model's price of a generated token, in policy-update tokens. 1.2: verl's Qwen3-8B GRPO step
             (generation 55%, passes and update 45%) with completions much longer than prompts.
+        cost_aware_noise_scale_factor (`float`, defaults to `1.0`):
+            With `"compute"`: the rule uses this multiple of the measured noise scale ρ. 1.0 is the large-batch model
+            as derived; BENCHMARKS.md §8 measures the steps' actual response to the update's noise with Adam.
         cost_aware_noise_ema (`float`, defaults to `0.9`):
             Decay of the moving averages of the noise scale's two terms and of the measured costs, in [0, 1).
         cost_aware_budget_delta (`float`, defaults to `1.0`):
@@ -198,6 +201,14 @@ class CostAwareGRPOConfig(GRPOConfig):
             "help": "The token cost model's price of one generated token in policy-update tokens (> 0). 1.2 is "
             "verl's published Qwen3-8B GRPO step (generation 55%, old/reference passes and update 45%) with "
             "completions much longer than prompts."
+        },
+    )
+    cost_aware_noise_scale_factor: float = field(
+        default=1.0,
+        metadata={
+            "help": "With cost_aware_kept_fraction='compute': multiplies the measured gradient noise scale before the "
+            "rule predicts steps from it (>= 0). 1.0 is the large-batch model as derived; BENCHMARKS.md section 8 "
+            "measures how much less the steps respond with Adam on the embedded testbeds."
         },
     )
     cost_aware_noise_ema: float = field(
@@ -366,6 +377,9 @@ class CostAwareGRPOConfig(GRPOConfig):
         price = self.cost_aware_generation_token_cost
         if not (isinstance(price, int | float) and not isinstance(price, bool) and 0.0 < price < math.inf):
             raise ValueError(f"cost_aware_generation_token_cost must be a finite number > 0, got {price!r}")
+        factor = self.cost_aware_noise_scale_factor
+        if not (isinstance(factor, int | float) and not isinstance(factor, bool) and 0.0 <= factor < math.inf):
+            raise ValueError(f"cost_aware_noise_scale_factor must be a finite number >= 0, got {factor!r}")
         decay = self.cost_aware_noise_ema
         if not (isinstance(decay, int | float) and not isinstance(decay, bool) and 0.0 <= decay < 1.0):
             raise ValueError(f"cost_aware_noise_ema must be a number in [0, 1), got {decay!r}")

@@ -136,6 +136,8 @@ class ComputeSignals:
             return None
         args = self.args
         rho = self._noise.ratio if self._noise_available else None
+        if rho is not None:
+            rho = rho * args.cost_aware_noise_scale_factor if math.isfinite(rho) else rho
         fixed, per_token = None, float(self.num_iterations)
         if args.cost_aware_cost_model == "time" and self._fixed_cost.value is not None:
             fixed, per_token = self._fixed_cost.value, self._token_cost.value
