@@ -115,6 +115,16 @@ ARMS: dict[str, dict] = {
         "settings": {"cost_aware_kept_fraction": "compute", "cost_aware_cost_model": "tokens", **NONE},
     },
 }
+# The same rule with the noise scale scaled by 0.3: the median (0.32) of the measured response of the steps to
+# halving the batch over the model's prediction, on the four regime-matrix cells that have GRPO-half runs
+# (BENCHMARKS.md §8, benchmarks/noise_scale_check.py): 0.31, 0.33, 0.22, 0.63.
+NOISE_FACTOR = 0.3
+for _name in ("cost_aware_compute", "cost_aware_compute_gen55", "cost_aware_compute_gen77"):
+    _spec = ARMS[_name]
+    ARMS[_name.replace("compute", "compute_cal", 1)] = {
+        "trainer": "cost_aware",
+        "settings": {**_spec["settings"], "cost_aware_noise_scale_factor": NOISE_FACTOR},
+    }
 # GRPO's tokens per step on each testbed (token_efficiency_full_<testbed>.json, BENCHMARKS §7): generated tokens G and
 # policy tokens P (prompt + completion of every row).
 GRPO_TOKENS_PER_STEP = {"default": (7224.0, 12334.0), "long": (5839.0, 6351.0)}
@@ -135,7 +145,8 @@ TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
 for _tb in GRPO_TOKENS_PER_STEP:
     for _arm, _share in (("cost_aware_compute_gen55", 0.55), ("cost_aware_compute_gen77", 0.77)):
         _price = round(generation_token_cost(_tb, _share), 4)
-        TESTBED_ARM_SETTINGS.setdefault(_tb, {})[_arm] = {"cost_aware_generation_token_cost": _price}
+        for _name in (_arm, _arm.replace("compute", "compute_cal", 1)):
+            TESTBED_ARM_SETTINGS.setdefault(_tb, {})[_name] = {"cost_aware_generation_token_cost": _price}
 
 
 def trainer_for(kind: str):

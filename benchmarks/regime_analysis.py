@@ -35,8 +35,11 @@ CONSERVATIVE_ORDER += ("cost_aware_0.25",)
 SPLIT_NAMES = ("cpu", "gpu", "gpu_gen77")
 # Issue 25's rule prices the split it runs under: under each split the setting "cost_aware_compute" is the arm that
 # priced that split (this machine's measured phase times for the CPU-like split, the token model at each GPU split).
-PRICED = {"cpu": "cost_aware_compute", "gpu": "cost_aware_compute_gen55", "gpu_gen77": "cost_aware_compute_gen77"}
-COMPUTE_SETTING = "cost_aware_compute"
+PRICED = {
+    rule: {"cpu": rule, "gpu": f"{rule}_gen55", "gpu_gen77": f"{rule}_gen77"}
+    for rule in ("cost_aware_compute", "cost_aware_compute_cal")
+}
+PRICED_ARMS = {arm for by_split in PRICED.values() for arm in by_split.values()}
 FIXED_FRACTIONS = ("cost_aware_0.5", "cost_aware_0.25", "cost_aware_0.75")
 
 
@@ -158,11 +161,12 @@ def _end(run):
 
 def _setting_arms(cells: list[dict], split: str) -> dict[str, str]:
     """Setting name → the arm whose runs stand for it under `split`: every arm as itself, except the priced arms of
-    the "compute" rule, of which only the one that priced this split appears, as `COMPUTE_SETTING`."""
+    the "compute" rules, of which only the one that priced this split appears, under the rule's name."""
     arms = sorted({a for c in cells for a in c.get("arms", {}) if a not in ("grpo", "grpo_half")})
-    out = {a: a for a in arms if a not in PRICED.values()}
-    if PRICED[split] in arms:
-        out[COMPUTE_SETTING] = PRICED[split]
+    out = {a: a for a in arms if a not in PRICED_ARMS}
+    for rule, by_split in PRICED.items():
+        if by_split[split] in arms:
+            out[rule] = by_split[split]
     return out
 
 
@@ -226,7 +230,7 @@ def decide(cells: list[dict], split: str) -> dict:
     return {
         "split": split,
         "sources": sources,
-        "goal": compute_goal(run, split, table),
+        "goal": {rule: compute_goal(run, split, table, rule) for rule in PRICED if rule in table},
         "cells": cell_names,
         "cells_not_run": [c["cell"] for c in cells if c.get("status") != "run"],
         "table": table,
@@ -240,17 +244,15 @@ def decide(cells: list[dict], split: str) -> dict:
     }
 
 
-def compute_goal(run: list[dict], split: str, table: dict) -> dict | None:
+def compute_goal(run: list[dict], split: str, table: dict, rule: str) -> dict:
     """Issue 25's goal for the "compute" rule under `split`, per cell: it passes (reaches the target in every seed,
     ends at GRPO − 0.01 or above at equal compute), and its compute to the target is at most that of the cheapest
     fixed fraction that passes the cell: the paired per-seed ratio compute-rule / fixed (bootstrap 95% CI over seeds)
-    and whether its mean is ≤ 1. None when the rule did not run under this split."""
-    if COMPUTE_SETTING not in table:
-        return None
-    arm = PRICED[split]
+    and whether its mean is ≤ 1."""
+    arm = PRICED[rule][split]
     out = {}
     for c in run:
-        mine = table[COMPUTE_SETTING].get(c["cell"], {})
+        mine = table[rule].get(c["cell"], {})
         if mine.get("status") == "not run":
             out[c["cell"]] = {"status": "not run"}
             continue
@@ -371,8 +373,7 @@ def markdown(res: dict) -> str:
             ]
         lines.append("")
         lines.append("Cheapest passing setting per cell: " + ", ".join(f"{c}: {a}" for c, a in d["favour"].items()))
-        goal = d.get("goal")
-        if goal is not None:
+        for rule, goal in d.get("goal", {}).items():
             parts = []
             for cn, g in goal["cells"].items():
                 if g.get("status") == "not run":
@@ -388,7 +389,7 @@ def markdown(res: dict) -> str:
                 )
             lines += [
                 "",
-                f"Issue 25's goal for {COMPUTE_SETTING} under this split (passes, and at most the cheapest passing "
+                f"Issue 25's goal for {rule} under this split (passes, and at most the cheapest passing "
                 f"fixed fraction's compute, paired by seed): **{'met' if goal['met'] else 'not met'}**. "
                 + "; ".join(parts)
                 + ".",
