@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -34,8 +35,15 @@ from regime_matrix import CELLS, load_cell_runs  # noqa: E402
 AS_IS_RESPONSE_FILE = "compute_to_target.json"
 
 
-def measure_rho(cell: str, matrix_root: str, out_root: str, steps: int, seed: int = 0) -> dict:
-    """ρ at the cell's start with the learning rate at 0 (module docstring)."""
+def _rho(sq: np.ndarray, dot: np.ndarray) -> float:
+    """(mean |G|² − mean G·G') / mean G·G', ∞ when the mean dot product is not positive (noise dominates)."""
+    signal = dot.mean()
+    return float((sq.mean() - signal) / signal) if signal > 0 else math.inf
+
+
+def measure_rho(cell: str, matrix_root: str, out_root: str, steps: int, seed: int = 0, reuse: bool = False) -> dict:
+    """ρ at the cell's start with the learning rate at 0 (module docstring); `reuse`: read a finished run's metrics
+    instead of training again."""
     from trl_costaware.embedded.testbed import train_run
 
     with open(os.path.join(matrix_root, "cells", f"{cell}.json"), encoding="utf-8") as fh:
@@ -66,8 +74,8 @@ def measure_rho(cell: str, matrix_root: str, out_root: str, steps: int, seed: in
     kept = [r["cost_aware/kept_row_fraction"] for r in rows if "cost_aware/kept_row_fraction" in r]
     rng = np.random.default_rng(0)
     idx = rng.integers(0, len(sq), size=(10_000, len(sq)))
-    boot = (sq[idx].mean(1) - dot[idx].mean(1)) / dot[idx].mean(1)
-    rho = float((sq.mean() - dot.mean()) / dot.mean())
+    boot = [_rho(sq[i], dot[i]) for i in idx]
+    rho = _rho(sq, dot)
     lo, hi = (float(q) for q in np.quantile(boot, [0.025, 0.975]))
     return {"rho": rho, "rho_ci": (lo, hi), "pairs": int(len(sq)), "kept_row_fraction": float(np.mean(kept))}
 
@@ -99,16 +107,18 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=25)
     p.add_argument("--matrix", default=os.path.join(common.ROOT, "outputs", "bench", "regime_matrix"))
     p.add_argument("--out", default=os.path.join(common.ROOT, "outputs", "bench", "noise_scale_check"))
+    p.add_argument("--reuse", action="store_true", help="read finished runs' metrics instead of training again")
     args = p.parse_args(argv)
     rows = []
     for cell in args.cells.split(","):
-        m = measure_rho(cell, args.matrix, args.out, args.steps)
+        m = measure_rho(cell, args.matrix, args.out, args.steps, reuse=args.reuse)
         r = measured_response(cell, args.matrix)
-        row = {"cell": cell, **m, "predicted_half_ratio": (1 + 2 * m["rho"]) / (1 + m["rho"]), "response": r}
+        predicted = 2.0 if math.isinf(m["rho"]) else (1 + 2 * m["rho"]) / (1 + m["rho"])
+        row = {"cell": cell, **m, "predicted_half_ratio": predicted, "response": r}
         if r is not None:
             ratio = r["ratio"][0]
             row["rho_eff"] = (ratio - 1) / (2 - ratio) if ratio < 2 else float("inf")
-            row["factor"] = row["rho_eff"] / m["rho"] if m["rho"] > 0 else None
+            row["factor"] = row["rho_eff"] / m["rho"] if 0 < m["rho"] < math.inf else None
         rows.append(row)
         print(json.dumps(row), flush=True)
     lines = [
@@ -124,7 +134,7 @@ def main(argv=None):
         eff = "n/a" if "rho_eff" not in r else f"{r['rho_eff']:.2f}"
         fac = "n/a" if r.get("factor") is None else f"{r['factor']:.2f}"
         lines.append(
-            f"| {r['cell']} | {r['rho']:.2f} [{r['rho_ci'][0]:.2f}, {r['rho_ci'][1]:.2f}] | {r['pairs']} | "
+            f"| {r['cell']} | {_f(r['rho'])} [{_f(r['rho_ci'][0])}, {_f(r['rho_ci'][1])}] | {r['pairs']} | "
             f"{r['kept_row_fraction']:.2f} | {r['predicted_half_ratio']:.2f} | {measured} | {eff} | {fac} |"
         )
     md = "\n".join(lines)
@@ -134,6 +144,10 @@ def main(argv=None):
     with open(os.path.join(common.RESULTS, "noise_scale_check.md"), "w", encoding="utf-8") as fh:
         fh.write(md + "\n")
     print(md)
+
+
+def _f(x: float) -> str:
+    return "∞" if math.isinf(x) else f"{x:.2f}"
 
 
 def _ci(t) -> str:
