@@ -5,9 +5,10 @@
 1. eligibility: the rows that can carry gradient, S (`sampling.eligible_rows`);
 2. the sampling distribution p over S (`sampling.sampling_scores`, `sampling.sampling_distribution`);
 3. m, equal on every rank: a fixed fraction (`sampling.kept_row_count`), a token budget
-   (`sampling.kept_rows_for_token_budget`, smallest over ranks) or "auto" (`budget.smallest_budget` on the proxy
-   G_i = |A_i| h_i · 1[i ∈ S], largest over ranks), then capped at what the busiest rank's eligible rows need
-   (`sampling.capped_kept_count`);
+   (`sampling.kept_rows_for_token_budget`, smallest over ranks), "auto" (`budget.smallest_budget` on the proxy
+   G_i = |A_i| h_i · 1[i ∈ S], largest over ranks) or "compute" (`compute_budget.cheapest_kept_count` on the same
+   proxy with the run's measured `ComputeSignal`, largest over ranks), then capped at what the busiest rank's eligible
+   rows need (`sampling.capped_kept_count`);
 4. the draw (`sampling.draw_rows`); when this rank has fewer eligible rows than m, the remaining slots go to the
    cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
 5. the weights: the draw's unbiasing weights of the kept non-filler rows of all ranks, normalised together
