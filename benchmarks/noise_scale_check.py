@@ -13,7 +13,15 @@ target, paired seeds): from the regime matrix's runs for the variance-limited ce
 token-efficiency runs (`compute_to_target.json`) for the testbeds as they are. The ρ that would explain it is
 ρ_eff = (r − 1) / (2 − r), and ρ_eff / ρ is the factor by which the model over- (< 1) or under-predicts.
 
-Results: `benchmarks/results/noise_scale_check.{json,md}`; runs under `outputs/bench/noise_scale_check/`.
+`--inflation TESTBEDS` measures, also at lr 0 and from the same seed's batches, how much gradient noise a sample of
+the rows really adds, against what the rule's inflation I(m) predicts (`budget.variance_inflation`, which takes the
+rows as independent): the noise E|G_t|² − E[G_t·G_{t−1}] of the full batch, of a uniform half of its informative rows
+(I = 1 where every row is informative), of the method's half (|A|/√c, its own I), and of GRPO on half the prompts. The
+model says noise(sample) / noise(full) = 1 + I; the measured c = (ratio − 1) / I is the share of the predicted
+inflation that is real.
+
+Results: `benchmarks/results/noise_scale_check.{json,md}` (and `noise_inflation_check.{json,md}`); runs under
+`outputs/bench/noise_scale_check/`.
 """
 
 from __future__ import annotations
@@ -101,6 +109,87 @@ def measured_response(cell: str, matrix_root: str) -> dict | None:
     return None
 
 
+INFLATION_ARMS = {
+    "full": {"cost_aware": False},
+    "half_rows_uniform": {"cost_aware_kept_fraction": 0.5, "cost_aware_proxy": "uniform"},
+    "half_rows_method": {"cost_aware_kept_fraction": 0.5},
+    "half_prompts": {"cost_aware": False, "half_prompts": True},
+}
+
+
+def measure_noise(testbed: str, arm: str, out_root: str, steps: int, seed: int = 0) -> dict:
+    """Mean noise term |G_t|² − G_t·G_{t−1} at lr 0 (bootstrap interval over steps) for one arm of
+    `INFLATION_ARMS`, with the step gradients read before clipping, and the arm's mean predicted inflation."""
+    import torch
+
+    from trl_costaware import CostAwareGRPOTrainer
+    from trl_costaware.embedded.testbed import get_testbed, train_run
+
+    grads = []
+
+    class Reading(CostAwareGRPOTrainer):
+        def _clip_grad_norm(self, model):
+            grads.append(
+                torch.cat([p.grad.detach().flatten().double() for p in model.parameters() if p.grad is not None])
+            )
+            return super()._clip_grad_norm(model)
+
+    settings = {
+        "cost_aware": True,
+        "cost_aware_weight_normalization": "none",
+        "learning_rate": 0.0,
+        "warmup_steps": 0,
+        "lr_scheduler_type": "constant",
+        **INFLATION_ARMS[arm],
+    }
+    if settings.pop("half_prompts", False):
+        settings["per_device_train_batch_size"] = get_testbed(testbed).recipe["per_device_train_batch_size"] // 2
+    out = os.path.join(out_root, f"inflation_{testbed}_{arm}")
+    metrics = os.path.join(out, "cost_aware_metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    train_run(seed=seed, output_dir=out, steps=steps, settings=settings, trainer_cls=Reading, testbed=testbed)
+    with open(metrics, encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    inflation = [r["cost_aware/budget_inflation"] for r in rows if "cost_aware/budget_inflation" in r]
+    g = torch.stack(grads)
+    noise = np.array([float(g[i] @ g[i] - g[i] @ g[i - 1]) for i in range(1, len(g))])
+    idx = np.random.default_rng(0).integers(0, len(noise), size=(10_000, len(noise)))
+    lo, hi = (float(q) for q in np.quantile(noise[idx].mean(1), [0.025, 0.975]))
+    return {"noise": float(noise.mean()), "noise_ci": (lo, hi), "inflation": float(np.mean(inflation or [0.0]))}
+
+
+def inflation_check(testbeds: list[str], out_root: str, steps: int) -> str:
+    rows = []
+    for tb in testbeds:
+        full = None
+        for arm in INFLATION_ARMS:
+            m = measure_noise(tb, arm, out_root, steps)
+            full = full or m
+            ratio = m["noise"] / full["noise"]
+            predicted = 2.0 if arm == "half_prompts" else 1 + m["inflation"]
+            real = (ratio - 1) / (predicted - 1) if predicted > 1 else None
+            rows.append({"testbed": tb, "arm": arm, **m, "ratio": ratio, "predicted": predicted, "real_share": real})
+            print(json.dumps(rows[-1]), flush=True)
+    lines = [
+        "| testbed | batch | noise at lr 0 | predicted I (mean) | noise / full batch's: predicted | measured"
+        " | real share c |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c = "n/a" if r["real_share"] is None else f"{r['real_share']:.2f}"
+        lines.append(
+            f"| {r['testbed']} | {r['arm']} | {r['noise']:.4g} [{r['noise_ci'][0]:.4g}, {r['noise_ci'][1]:.4g}] | "
+            f"{r['inflation']:.2f} | {r['predicted']:.2f} | {r['ratio']:.2f} | {c} |"
+        )
+    with open(os.path.join(common.RESULTS, "noise_inflation_check.json"), "w", encoding="utf-8") as fh:
+        json.dump(rows, fh, indent=1)
+    md = "\n".join(lines)
+    with open(os.path.join(common.RESULTS, "noise_inflation_check.md"), "w", encoding="utf-8") as fh:
+        fh.write(md + "\n")
+    return md
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", default=",".join(CELLS))
@@ -108,7 +197,11 @@ def main(argv=None):
     p.add_argument("--matrix", default=os.path.join(common.ROOT, "outputs", "bench", "regime_matrix"))
     p.add_argument("--out", default=os.path.join(common.ROOT, "outputs", "bench", "noise_scale_check"))
     p.add_argument("--reuse", action="store_true", help="read finished runs' metrics instead of training again")
+    p.add_argument("--inflation", default=None, help="comma-separated testbeds: the inflation check only")
     args = p.parse_args(argv)
+    if args.inflation:
+        print(inflation_check(args.inflation.split(","), args.out, args.steps))
+        return
     rows = []
     for cell in args.cells.split(","):
         m = measure_rho(cell, args.matrix, args.out, args.steps, reuse=args.reuse)
