@@ -49,9 +49,11 @@ def test_unknown_loss_type_refused_at_config_time(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- the kept fraction's default and its interactions
-def test_kept_fraction_defaults_to_auto(tmp_path):
-    """Unset, the kept fraction is the δ budget ("auto"), chosen in BENCHMARKS.md §5 over a fixed 0.5."""
-    assert make(tmp_path).cost_aware_kept_fraction == "auto"
+def test_kept_fraction_defaults_to_half(tmp_path):
+    """Unset, the kept fraction is 0.5, decided on the regime matrix (BENCHMARKS.md §6)."""
+    from trl_costaware.config import DEFAULT_KEPT_FRACTION
+
+    assert DEFAULT_KEPT_FRACTION == 0.5 and make(tmp_path).cost_aware_kept_fraction == 0.5
 
 
 def test_unset_kept_fraction_with_a_token_budget_lets_the_budget_choose(tmp_path):
@@ -81,12 +83,12 @@ def test_kept_fraction_from_text(tmp_path, value):
     assert make(tmp_path, cost_aware_kept_fraction=value).cost_aware_kept_fraction == expected
 
 
-def test_full_micro_batches_need_a_fixed_fraction_when_the_default_is_auto(tmp_path):
+def test_full_micro_batches_need_a_fixed_fraction(tmp_path):
     kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, cost_aware_full_micro_batches=True)
-    with pytest.raises(ValueError, match=r"cost_aware_full_micro_batches=True needs a fixed cost_aware_kept_fraction"):
-        make(tmp_path, **kw)
-    with pytest.raises(ValueError, match=r"unset means 'auto'"):
-        make(tmp_path, cost_aware_kept_fraction="auto", **kw)
+    assert make(tmp_path, **kw).cost_aware_kept_fraction == 0.5  # unset: the default fraction
+    for rule in ("auto", "compute"):
+        with pytest.raises(ValueError, match=r"cost_aware_full_micro_batches=True needs a fixed cost_aware_kept"):
+            make(tmp_path, cost_aware_kept_fraction=rule, **kw)
     args = make(tmp_path, cost_aware_kept_fraction=0.5, **kw)
     assert args.cost_aware_kept_fraction == 0.5
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps, args.steps_per_generation) == (8, 1, 1)
@@ -98,7 +100,7 @@ def test_kept_fraction_parses_from_the_command_line(tmp_path):
 
     base = ["--output_dir", str(tmp_path), "--use_cpu", "true", "--report_to", "none", "--bf16", "false"]
     (args,) = TrlParser((CostAwareGRPOConfig,)).parse_args_and_config(base)
-    assert args.cost_aware_kept_fraction == "auto"
+    assert args.cost_aware_kept_fraction == 0.5
     for text, expected in (("0.25", 0.25), ("auto", "auto")):
         (args,) = TrlParser((CostAwareGRPOConfig,)).parse_args_and_config(base + ["--cost_aware_kept_fraction", text])
         assert args.cost_aware_kept_fraction == expected

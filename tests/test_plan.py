@@ -317,11 +317,12 @@ def test_streams_of_ranks_and_names_never_collide():
 
 
 def test_plan_settings_mirror_the_config_on_kept_fraction_and_token_budget():
-    assert PlanSettings().kept_fraction == "auto"  # the config's default
+    assert PlanSettings().kept_fraction == 0.5  # the config's default
     with pytest.raises(ValueError, match=r"kept_fraction=None needs a token_budget"):
         PlanSettings(kept_fraction=None)
-    with pytest.raises(ValueError, match=r"kept_fraction='auto' and token_budget both choose m"):
-        PlanSettings(token_budget=100.0)
+    for rule in ("auto", "compute"):
+        with pytest.raises(ValueError, match=rf"kept_fraction='{rule}' and token_budget both choose m"):
+            PlanSettings(kept_fraction=rule, token_budget=100.0)
     assert PlanSettings(kept_fraction=None, token_budget=100.0).token_budget == 100.0
     s = PlanSettings()
     assert (s.weight_normalization, s.weight_floor) == ("none", None)  # the config's default

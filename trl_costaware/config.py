@@ -11,13 +11,17 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ._compat import check_trl_version
-from .budget import AUTO, RULES, KeptFraction
+from .budget import RULES, KeptFraction
 from .compute_budget import COST_MODELS
 from .layout import LAYOUTS, full_micro_batch_layout, layout_of, sampling_floor_warning
 from .plan import check_loss_type
 from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
 
 check_trl_version()  # the package imports this module on first use of the config or the trainer
+
+# The kept fraction of an unset `cost_aware_kept_fraction` (without a token budget): BENCHMARKS.md §6 decides it on
+# the regime matrix (it passes every cell under every compute split, and is the cheapest under the GPU splits).
+DEFAULT_KEPT_FRACTION = 0.5
 
 
 def resolve_cost_fn(spec) -> Callable | None:
@@ -81,14 +85,15 @@ class CostAwareGRPOConfig(GRPOConfig):
     Parameters:
         cost_aware (`bool`, defaults to `True`):
             Switch. With `False` the trainer behaves exactly like `GRPOTrainer` but still logs the token counters.
-        cost_aware_kept_fraction (`float`, `"auto"` or `None`, defaults to `None`):
-            Fraction m/N of each rank's generation batch kept for the policy update, rounded down to a multiple of
-            `steps_per_generation` (at least one row per micro-step). `"auto"`: per generation batch, the smallest m
-            whose predicted variance inflation over the full batch is at most `cost_aware_budget_delta`
-            (docs/budget_and_proxy.md §2); the largest m any rank needs is kept on every rank. `None` (unset) means
-            `"auto"`, or, when `cost_aware_token_budget` is set, that the budget alone chooses m; a fixed fraction
-            must be given for `cost_aware_full_micro_batches`. Chosen in BENCHMARKS.md §5: on both embedded
-            testbeds `"auto"` reaches the target with 0.68–0.73× the tokens of a fixed 0.5 at the same accuracy.
+        cost_aware_kept_fraction (`float`, `"auto"`, `"compute"` or `None`, defaults to `None`):
+            Fraction m/N of each rank's generation batch kept for the policy update, rounded down to the layout's
+            unit (at least one row per optimizer step). `None` (unset) means 0.5, or, when `cost_aware_token_budget`
+            is set, that the budget alone chooses m. 0.5 is decided on the regime matrix (BENCHMARKS.md §6): it
+            reaches the target and ends within 0.01 of GRPO at equal compute in every cell under every compute split,
+            and is the cheapest under the GPU splits; `"auto"` is cheaper only under an update-heavy (CPU-like) split
+            and fails the variance-limited long cell at generation 55%. `"auto"`: per generation batch, the
+            smallest m whose predicted variance inflation over the full batch is at most `cost_aware_budget_delta`
+            (docs/budget_and_proxy.md §2); the largest m any rank needs is kept on every rank.
             `"compute"`: per generation batch, the m minimising the predicted cost of the run to its target,
             (1 + ρ (1 + I(m))) (C_fix + κ T(m)), with ρ = B_noise / N the gradient noise scale measured from the run's
             own optimizer steps, C_fix a step's cost that does not shrink with m and κ the price of a kept policy token
@@ -177,12 +182,12 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_kept_fraction: KeptFraction | None = field(
         default=None,
         metadata={
-            "help": "Fraction m/N of each rank's generation batch kept for the policy update, rounded down to a "
-            "multiple of steps_per_generation (at least one row per micro-step). In (0, 1], or 'auto': the smallest m "
+            "help": "Fraction m/N of each rank's generation batch kept for the policy update, rounded down to the "
+            "layout's unit (at least one row per optimizer step). In (0, 1], or 'auto': the smallest m "
             "whose predicted variance inflation is at most cost_aware_budget_delta (largest over ranks), or "
             "'compute': the m minimising the predicted cost to the target, (1 + B_noise/N (1 + I(m))) (C_fix + "
             "kappa T(m)), from the run's measured gradient noise scale and step costs (largest over ranks). Unset: "
-            "'auto', or the token budget alone when cost_aware_token_budget is set."
+            "0.5, or the token budget alone when cost_aware_token_budget is set."
         },
     )
     cost_aware_cost_model: str = field(
@@ -336,8 +341,8 @@ class CostAwareGRPOConfig(GRPOConfig):
                 "entropy threshold is a quantile over the micro-batch's tokens, which sampling changes, so the "
                 "cost-aware loss would be biased. Use top_entropy_quantile=1.0 or cost_aware=False."
             )
-        if self.cost_aware_kept_fraction is None:  # unset: "auto", unless a token budget alone chooses m
-            self.cost_aware_kept_fraction = None if self.cost_aware_token_budget is not None else AUTO
+        if self.cost_aware_kept_fraction is None:  # unset: the default fraction, unless a token budget alone chooses m
+            self.cost_aware_kept_fraction = None if self.cost_aware_token_budget is not None else DEFAULT_KEPT_FRACTION
         else:
             self.cost_aware_kept_fraction = _kept_fraction(self.cost_aware_kept_fraction)
             if self.cost_aware_kept_fraction in RULES and self.cost_aware_token_budget is not None:
@@ -424,11 +429,13 @@ class CostAwareGRPOConfig(GRPOConfig):
 
     def _apply_full_micro_batch_layout(self):
         fraction = self.cost_aware_kept_fraction
+        if fraction is None and self.cost_aware_token_budget is None:
+            fraction = DEFAULT_KEPT_FRACTION  # unset: the default fraction
         fraction = None if fraction is None else _kept_fraction(fraction)  # a float, "auto" or "compute"
         if self.cost_aware_token_budget is not None or fraction is None or fraction in RULES:
             raise ValueError(
-                "cost_aware_full_micro_batches=True needs a fixed cost_aware_kept_fraction (a number, e.g. 0.5; "
-                "unset means 'auto'; 'auto' and 'compute' change the kept row count from batch to batch) and no "
+                "cost_aware_full_micro_batches=True needs a fixed cost_aware_kept_fraction (a number, e.g. 0.5, the "
+                "default; 'auto' and 'compute' change the kept row count from batch to batch) and no "
                 "cost_aware_token_budget: the kept row count must be known when the micro-batches are sized, got "
                 f"cost_aware_kept_fraction={self.cost_aware_kept_fraction!r}, "
                 f"cost_aware_token_budget={self.cost_aware_token_budget!r}"

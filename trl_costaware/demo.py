@@ -159,13 +159,16 @@ def run_demo(
 
 
 def _default_settings() -> str:
-    """The defaults the Cost-Aware arm runs with, read from the config class (an unset kept fraction means "auto")."""
+    """The defaults the Cost-Aware arm runs with, read from the config class (an unset kept fraction means
+    `config.DEFAULT_KEPT_FRACTION`)."""
     import dataclasses
 
     from trl_costaware import CostAwareGRPOConfig
 
     d = {f.name: f.default for f in dataclasses.fields(CostAwareGRPOConfig)}
-    kept = d["cost_aware_kept_fraction"] or "auto"
+    from trl_costaware.config import DEFAULT_KEPT_FRACTION
+
+    kept = d["cost_aware_kept_fraction"] or DEFAULT_KEPT_FRACTION
     return f"kept fraction {kept!r}, weights {d['cost_aware_weight_normalization']!r}"
 
 

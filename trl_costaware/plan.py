@@ -133,7 +133,7 @@ class PlanSettings:
     """The configuration fields the plan reads (`from_args` takes them from a `CostAwareGRPOConfig`)."""
 
     loss_type: str = "grpo"
-    kept_fraction: float | str | None = AUTO  # None: the token budget alone chooses m (as in the config)
+    kept_fraction: float | str | None = 0.5  # the config's default; None: the token budget alone chooses m
     token_budget: float | None = None
     budget_delta: float = 1.0
     proxy: str = "advantage"
