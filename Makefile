@@ -92,7 +92,8 @@ clean:
 BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 QUICK ?=
 
-.PHONY: bench bench-quick bench-sgd bench-subset bench-token-efficiency bench-proxy-fidelity bench-overhead bench-regime
+.PHONY: bench bench-quick bench-sgd bench-subset bench-token-efficiency bench-proxy-fidelity bench-overhead bench-regime \
+	bench-noise
 
 bench-sgd: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/cost_aware_sgd.py $(QUICK) $(if $(QUICK),--out benchmarks/results/tmp,)
@@ -117,6 +118,13 @@ REGIME_ARGS ?=
 bench-regime: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py $(if $(QUICK),--smoke,) $(REGIME_ARGS)
 	$(BENCH_ENV) $(BIN)/python benchmarks/compute_to_target.py
+
+# The "compute" rule's premises (BENCHMARKS.md §8): the gradient noise scale at each regime-matrix cell's start (lr 0)
+# against the steps' measured response to halving the batch (needs the matrix's runs), and the noise a row sample
+# really adds against the inflation I(m) the rules predict.
+bench-noise: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py
+	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py --inflation default,long --steps 40
 
 bench: bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-overhead
 
