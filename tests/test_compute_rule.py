@@ -7,8 +7,10 @@ import math
 
 import pytest
 import torch
+from test_trainer import length_reward
+from test_trainer import make_args as trainer_args
 
-from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware import trainer as trainer_module
 from trl_costaware.compute_budget import cheapest_kept_count
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
@@ -21,31 +23,11 @@ def model_path():
     return build_tiny_model_path()
 
 
-def length_reward(completions, **kwargs):
-    return [float(len(c) % 4) for c in completions]
-
-
 def make_args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=8,
-        gradient_accumulation_steps=2,
-        steps_per_generation=2,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=5,
-        logging_steps=1,
-        save_strategy="no",
-        bf16=False,
-        seed=0,
-        learning_rate=1e-3,
-        cost_aware_kept_fraction="compute",
-        cost_aware_cost_model="tokens",
-    )
-    kwargs.update(overrides)
-    return CostAwareGRPOConfig(**kwargs)
+    """test_trainer's tiny run, 2 micro-steps per generation batch, 5 steps, the "compute" rule (token model)."""
+    settings = dict(gradient_accumulation_steps=2, steps_per_generation=2, max_completion_length=12, max_steps=5)
+    settings.update(cost_aware_kept_fraction="compute", cost_aware_cost_model="tokens")
+    return trainer_args(tmp_path, **{**settings, **overrides})
 
 
 class Recording(CostAwareGRPOTrainer):
