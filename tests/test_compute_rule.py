@@ -172,3 +172,23 @@ def test_noise_scale_factor_scales_what_the_rule_sees(model_path, tmp_path, monk
     assert trainer._noise.ratio is not None and trainer._noise.ratio > 0  # measured, then scaled away
     for settings, signal, plan in seen[2:]:
         assert signal.rho == 0.0 and plan.rule_m == settings.kept_multiple
+
+
+def test_rule_sees_the_estimators_noise_scale(model_path, tmp_path):
+    """The signal handed to the plan carries the noise scale's current ratio times the factor (None before the first
+    pair of steps), whatever the plan then does with it."""
+
+    class Watching(CostAwareGRPOTrainer):
+        def _init_compute_signals(self):
+            super()._init_compute_signals()
+            self.pairs = []
+
+        def _compute_signal(self):
+            signal = super()._compute_signal()
+            self.pairs.append((self._noise.ratio, signal.rho))
+            return signal
+
+    trainer = train(model_path, make_args(tmp_path, max_steps=4, cost_aware_noise_scale_factor=0.5), Watching)
+    assert trainer.pairs[0] == (None, None)
+    assert all(rho == pytest.approx(0.5 * ratio) for ratio, rho in trainer.pairs[2:])
+    assert len({ratio for ratio, _ in trainer.pairs[2:]}) > 1  # the estimate moves from batch to batch
