@@ -1,7 +1,7 @@
 """The kept count that minimises the predicted cost of a run to its target (`cost_aware_kept_fraction="compute"`).
 
-Pure functions of host numbers; docs/algorithm.md §4b derives them. Notation as in `budget.py`: N rows on this rank,
-gradient-norm proxies G_i, the sampling distribution p, inclusion probabilities π_i(m) and the predicted variance
+Pure functions of host numbers; docs/budget_and_proxy.md §3 derives them. Notation as in `budget.py`: N rows on this
+rank, gradient-norm proxies G_i, the sampling distribution p, inclusion probabilities π_i(m) and the predicted variance
 inflation I(m) of an m-row sample over the full batch (`budget.variance_inflation`).
 
 **Steps to a target.** The empirical model of large-batch training (McCandlish, Kaplan, Amodei et al. 2018, "An

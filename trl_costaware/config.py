@@ -97,8 +97,8 @@ class CostAwareGRPOConfig(GRPOConfig):
             `"compute"`: per generation batch, the m minimising the predicted cost of the run to its target,
             (1 + ρ (1 + I(m))) (C_fix + κ T(m)), with ρ = B_noise / N the gradient noise scale measured from the run's
             own optimizer steps, C_fix a step's cost that does not shrink with m and κ the price of a kept policy token
-            (`trl_costaware/compute_budget.py`, docs/algorithm.md §4b; McCandlish et al. 2018, "An Empirical Model of
-            Large-Batch Training"). Every row is kept until the noise scale has its first estimate (the second
+            (`trl_costaware/compute_budget.py`, docs/budget_and_proxy.md §3; McCandlish et al. 2018, "An Empirical
+            Model of Large-Batch Training"). Every row is kept until the noise scale has its first estimate (the second
             optimizer step); under DeepSpeed and FSDP, where the gradient is not readable, it falls back to `"auto"`.
         cost_aware_cost_model (`str`, defaults to `"time"`):
             With `"compute"`: `"time"` (the run's measured seconds: generation, scoring and optimizer step as C_fix,
