@@ -133,6 +133,21 @@ def load_result(out: Path) -> dict:
     return {"state": states[0], "records": records}
 
 
+def deepspeed_json(folder: Path, stage: int) -> str:
+    """A DeepSpeed ZeRO config for `CostAwareGRPOConfig(deepspeed=...)`, every size left to the trainer ("auto")."""
+    ds = {
+        "zero_optimization": {"stage": stage},
+        "train_micro_batch_size_per_gpu": "auto",
+        "train_batch_size": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "bf16": {"enabled": "auto"},
+    }
+    path = folder / f"zero{stage}.json"
+    path.write_text(json.dumps(ds))
+    return str(path)
+
+
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys(), set(a) ^ set(b)
     return max((a[k] - b[k]).abs().max().item() for k in a)
@@ -486,16 +501,7 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
         "self_normalize",
     ]
     if backend == "zero3":
-        ds = {
-            "zero_optimization": {"stage": 3},
-            "train_micro_batch_size_per_gpu": "auto",
-            "train_batch_size": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-            "bf16": {"enabled": "auto"},
-        }
-        (tmp_path / "zero3.json").write_text(json.dumps(ds))
-        cmd += ["--deepspeed", str(tmp_path / "zero3.json")]
+        cmd += ["--deepspeed", deepspeed_json(tmp_path, 3)]
     if backend != "ddp":
         cmd += ["--token-budget", "60"]
     seconds = run(cmd, tmp_path / "log.txt")
@@ -557,15 +563,7 @@ def test_compute_rule_across_ranks(tiny_model, tmp_path, backend):
     cmd += ["--kept-fraction", "compute", "--cost-model", "tokens", "--max-steps", "4", "--weight-normalization"]
     cmd += ["none"]
     if backend == "zero2":
-        ds = {
-            "zero_optimization": {"stage": 2},
-            "train_micro_batch_size_per_gpu": "auto",
-            "train_batch_size": "auto",
-            "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto",
-        }
-        (tmp_path / "zero2.json").write_text(json.dumps(ds))
-        cmd += ["--deepspeed", str(tmp_path / "zero2.json")]
+        cmd += ["--deepspeed", deepspeed_json(tmp_path, 2)]
     seconds = run(cmd, tmp_path / "log.txt")
     print(f"[compute_rule-{backend}] {seconds:.1f} s")
     records = load_result(out)["records"]  # identical weights on both ranks
