@@ -86,6 +86,38 @@ def test_decision_rule():
     assert ra.decide(cells, "gpu")["table"]["y"]["b"]["passes"]
 
 
+def _seeded(end, ratios):
+    """An arm whose per-seed compute ratios are `ratios` under every split (mean as its summary)."""
+    arm = _arm(end, sum(ratios) / len(ratios), n=len(ratios), reached=len(ratios))
+    arm["per_seed"] = [{"seed": i, **{f"ratio_compute_{s}": r for s in ra.SPLIT_NAMES}} for i, r in enumerate(ratios)]
+    return arm
+
+
+def test_compute_rule_is_judged_per_split_by_the_arm_that_priced_it():
+    """Under each split the setting `cost_aware_compute` stands for the arm that priced that split (time under the
+    CPU-like split, the token model at 55% and 77%), and issue 25's goal is its per-seed ratio to the cheapest passing
+    fixed fraction: met where it is no dearer, not met where it is dearer or fails the cell."""
+    arms = {
+        "cost_aware_0.5": _seeded(0.0, [0.80, 0.82, 0.84]),
+        "cost_aware_compute": _seeded(0.0, [0.72, 0.74, 0.76]),  # the CPU-time arm: cheaper than 0.5
+        "cost_aware_compute_gen55": _seeded(0.0, [0.88, 0.90, 0.92]),  # dearer than 0.5
+        "cost_aware_compute_gen77": _seeded(-0.05, [0.60, 0.60, 0.60]),  # cheap, but ends below the tolerance
+    }
+    cells = [{"cell": "a", "status": "run", "target": 0.8, "arms": arms}]
+    for split, arm, met in (("cpu", "cost_aware_compute", True), ("gpu", "cost_aware_compute_gen55", False)):
+        d = ra.decide(cells, split)
+        assert d["sources"]["cost_aware_compute"] == arm and "cost_aware_compute_gen55" not in d["table"]
+        goal = d["goal"]["cost_aware_compute"]
+        assert goal["met"] is met and goal["cells"]["a"]["best_fixed"] == "cost_aware_0.5"
+        paired = [
+            ours[f"ratio_compute_{split}"] / theirs[f"ratio_compute_{split}"]
+            for ours, theirs in zip(arms[arm]["per_seed"], arms["cost_aware_0.5"]["per_seed"], strict=True)
+        ]
+        assert goal["cells"]["a"]["ratio_to_best_fixed"][0] == pytest.approx(sum(paired) / len(paired))
+    d = ra.decide(cells, "gpu_gen77")
+    assert d["choice"] == "cost_aware_0.5" and not d["goal"]["cost_aware_compute"]["met"]
+
+
 def test_decision_says_when_the_choice_costs_more_than_grpo():
     """GRPO passes every cell at compute 1: a choice whose geometric-mean compute is above 1 is flagged, and each
     setting's cells above 1 are listed."""

@@ -23,8 +23,10 @@ multinomial draw). The run's cost to the target is then proportional to
     J(m) = (1 + ρ (1 + I(m))) · (C_fix + κ T(m)),
 
 and the rule keeps the m (a multiple of the layout's rounding) that minimises it. Limits: ρ → 0 gives the smallest m
-(the update's noise costs no steps, so only its price counts); ρ → ∞ with C_fix > 0 gives m = N (k equal rows:
-(1 + I(m)) T(m) = (k/m)(m/k) T(k) is flat, and (k/m) C_fix falls with m). Nothing else about the batch enters, so m
+(the update's noise costs no steps, so only its price counts); ρ = ∞ keeps all N rows; for large finite ρ the rule
+minimises (1 + I(m)) (C_fix + κ T(m)), which keeps every row that can carry gradient (I = 0) once C_fix dominates,
+or when the rows are alike (k equal rows: (1 + I(m)) T(m) = (k/m)(m/k) T(k) is flat and (k/m) C_fix falls with m),
+and is the variance × cost objective of cost-aware SGD when C_fix = 0. Nothing else about the batch enters, so m
 is a function of the batch and the run's measured signals, not of the draw: the estimate stays unbiased given m.
 
 **The noise scale, measured.** ρ comes from the optimizer steps' own gradients (`noise_terms`): with G_t the step's
@@ -48,10 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .budget import COMPUTE, variance_inflation
+from .budget import variance_inflation
 from .sampling import _clean, inclusion_probabilities
 
-__all__ = ["COMPUTE", "COST_MODELS", "ComputeChoice", "ComputeSignal", "NoiseScale", "cheapest_kept_count"]
 COST_MODELS = ("time", "tokens")
 # The rule's search: at most GRID candidate counts, then GRID more between the best one's neighbours.
 GRID = 24

@@ -164,10 +164,9 @@ def _default_settings() -> str:
     import dataclasses
 
     from trl_costaware import CostAwareGRPOConfig
-
-    d = {f.name: f.default for f in dataclasses.fields(CostAwareGRPOConfig)}
     from trl_costaware.config import DEFAULT_KEPT_FRACTION
 
+    d = {f.name: f.default for f in dataclasses.fields(CostAwareGRPOConfig)}
     kept = d["cost_aware_kept_fraction"] or DEFAULT_KEPT_FRACTION
     return f"kept fraction {kept!r}, weights {d['cost_aware_weight_normalization']!r}"
 

@@ -30,8 +30,8 @@ from typing import Protocol
 
 import torch
 
-from .budget import AUTO, inflation_terms, smallest_budget
-from .compute_budget import COMPUTE, ComputeSignal, cheapest_kept_count
+from .budget import AUTO, COMPUTE, inflation_terms, smallest_budget
+from .compute_budget import ComputeSignal, cheapest_kept_count
 from .diagnostics import batch_metrics, rank_sums
 from .layout import kept_multiple, layout_of
 from .sampling import (

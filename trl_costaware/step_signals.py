@@ -90,7 +90,7 @@ class ComputeSignals:
             return 0.0
         now = self._clock()
         self._close_window()
-        self._window = {"generation": 0.0, "optimizer": 0.0, "train": 0.0, "tokens": 0.0, "open": now}
+        self._window = {"generation": 0.0, "optimizer": 0.0, "train": 0.0, "tokens": 0.0}
         return now
 
     def _end_generation(self, start: float):
