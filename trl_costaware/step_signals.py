@@ -28,7 +28,8 @@ import warnings
 import torch
 from transformers import TrainerCallback
 
-from .compute_budget import COMPUTE, ComputeSignal, Ema, NoiseScale
+from .budget import COMPUTE
+from .compute_budget import ComputeSignal, Ema, NoiseScale
 
 
 class _OptimizerTimer(TrainerCallback):
