@@ -204,7 +204,7 @@ class CostAwareGRPOConfig(GRPOConfig):
         default=1.2,
         metadata={
             "help": "The token cost model's price of one generated token in policy-update tokens (> 0). 1.2 is "
-            "verl's published Qwen3-8B GRPO step (generation 55%, old/reference passes and update 45%) with "
+            "verl's published Qwen3-8B GRPO step (generation 55%%, old/reference passes and update 45%%) with "
             "completions much longer than prompts."
         },
     )

@@ -1,0 +1,124 @@
+"""`--help` of every entry point and script exits 0, and every config field's help formats under argparse.
+
+argparse %-formats each help string (`%(default)s`, ...), so a bare `%` in a field's help (e.g. "55%,") crashes
+`--help` of every parser built from the config: `trl-costaware train --help`, the example script, TRL's own parsers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = str(Path(sys.executable).parent / "trl-costaware")
+
+# Every command a user types with --help. Keep in step with the completeness checks below.
+COMMANDS = {
+    "trl-costaware --help": [CLI, "--help"],
+    "trl-costaware train --help": [CLI, "train", "--help"],
+    "trl-costaware compare --help": [CLI, "compare", "--help"],
+    "python -m trl_costaware.cli train --help": [sys.executable, "-m", "trl_costaware.cli", "train", "--help"],
+    "python -m trl_costaware.train_script --help": [sys.executable, "-m", "trl_costaware.train_script", "--help"],
+    "python -m trl_costaware.compare --help": [sys.executable, "-m", "trl_costaware.compare", "--help"],
+    "python -m trl_costaware.demo --help": [sys.executable, "-m", "trl_costaware.demo", "--help"],
+    "python -m trl_costaware.embedded.diagnose --help": [
+        sys.executable,
+        "-m",
+        "trl_costaware.embedded.diagnose",
+        "--help",
+    ],
+    "python -m trl_costaware.embedded.rebuild --help": [
+        sys.executable,
+        "-m",
+        "trl_costaware.embedded.rebuild",
+        "--help",
+    ],
+    "python examples/train_cost_aware_grpo.py --help": [
+        sys.executable,
+        str(ROOT / "examples" / "train_cost_aware_grpo.py"),
+        "--help",
+    ],
+}
+# Scripts that take no arguments (they run as they are): no --help to check.
+NO_ARGUMENTS = {"examples/quickstart.py"}
+
+
+def _run_help(argv: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("name", list(COMMANDS))
+def test_help_exits_zero(name):
+    result = _run_help(COMMANDS[name])
+    assert result.returncode == 0, f"{name}: rc {result.returncode}\n{result.stderr[-3000:]}"
+    assert "usage" in result.stdout.lower(), f"{name} printed no usage:\n{result.stdout[:2000]}"
+
+
+def test_every_script_and_module_main_is_checked():
+    """A new example script or `python -m` module must be added to COMMANDS (or NO_ARGUMENTS)."""
+    named = " ".join(COMMANDS)
+    for script in sorted((ROOT / "examples").glob("*.py")):
+        rel = script.relative_to(ROOT).as_posix()
+        assert rel in NO_ARGUMENTS or rel in named, f"{rel} has no --help check in tests/test_help.py"
+    for module in sorted((ROOT / "trl_costaware").rglob("*.py")):
+        text = module.read_text()
+        if module.name == "__main__.py":
+            dotted = ".".join(module.relative_to(ROOT).with_suffix("").parts[:-1])
+        elif '__name__ == "__main__"' in text:
+            dotted = ".".join(module.relative_to(ROOT).with_suffix("").parts)
+        else:
+            continue
+        assert f"-m {dotted} " in named or dotted == "trl_costaware.cli", (
+            f"python -m {dotted} has no --help check in tests/test_help.py"
+        )
+
+
+def _parsers():
+    from transformers import HfArgumentParser
+    from trl import ModelConfig, TrlParser
+
+    from trl_costaware import CostAwareGRPOConfig
+    from trl_costaware.train_script import CostAwareScriptArguments
+
+    return {
+        "HfArgumentParser(CostAwareGRPOConfig)": HfArgumentParser(CostAwareGRPOConfig),
+        "TrlParser(script, config, model)": TrlParser((CostAwareScriptArguments, CostAwareGRPOConfig, ModelConfig)),
+    }
+
+
+@pytest.mark.parametrize("which", ["HfArgumentParser(CostAwareGRPOConfig)", "TrlParser(script, config, model)"])
+def test_config_parsers_format_help(which):
+    parser = _parsers()[which]
+    text = parser.format_help()
+    assert "--cost_aware_generation_token_cost" in text
+    assert "55%" in text  # the escaped percent prints as one
+
+
+def test_every_cost_aware_field_help_formats():
+    """Each cost_aware field's help %-formats with the dict argparse gives it (HelpFormatter._expand_help)."""
+    import dataclasses
+
+    from trl_costaware import CostAwareGRPOConfig
+
+    parser = _parsers()["HfArgumentParser(CostAwareGRPOConfig)"]
+    actions = {action.dest: action for action in parser._actions}
+    fields = [f.name for f in dataclasses.fields(CostAwareGRPOConfig) if f.name.startswith("cost_aware")]
+    assert len(fields) > 10
+    for name in fields:
+        action = actions[name]
+        params = dict(vars(action), prog=parser.prog)
+        for key in list(params):
+            if params[key] is argparse.SUPPRESS:
+                del params[key]
+        if params.get("choices") is not None:
+            params["choices"] = ", ".join(str(c) for c in params["choices"])
+        try:
+            action.help % params
+        except (ValueError, TypeError, KeyError) as err:
+            pytest.fail(f"help of {name} does not %-format under argparse: {err}\n{action.help!r}")
