@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
 
+from trl_costaware.compare.compute import measured_update_share  # noqa: E402
 from trl_costaware.demo import finish_accuracy_plot  # noqa: E402
 
 MAIN_ARMS = ("grpo", "cost_aware_0.5", "uniform_0.5")  # --seeds (10)
@@ -247,12 +248,9 @@ THEORY_KEYS = ("j_ratio_ideal", "j_ratio_achieved", "kept_token_fraction", "info
 
 def update_share(run: dict) -> float | None:
     """The update phase's share of a training step's wall time: (training step − generation and scoring) / training
-    step, summed over the run (`testbed._timed`); None for runs recorded without the timers."""
-    ph = run.get("phase_s") or {}
-    step, gen = ph.get("training_step"), ph.get("generate_and_score")
-    if not step or gen is None:
-        return None
-    return max(0.0, step - gen) / step
+    step, summed over the run (`testbed._timed`; `compare.compute.measured_update_share`); None for runs recorded
+    without the timers."""
+    return measured_update_share(run.get("phase_s"))
 
 
 def paired(arm: dict[int, dict], other: dict[int, dict], target: float) -> dict:

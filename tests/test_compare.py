@@ -503,6 +503,32 @@ def test_compare_reports_compute_to_target_and_break_even():
     assert plain.to_json()["compute"] is None and result.to_json()["compute"]["units"] == "baseline steps"
 
 
+def test_png_has_a_compute_panel_at_the_split():
+    """The PNG draws the metric against policy tokens AND against compute at the comparison's split (verl's
+    generation 55% by default), where the cost-aware arm's crossing sits at 3.3 baseline steps against the baseline's
+    4 (policy tokens: 1,250 against 4,000); without a split (or without the token counters), one panel as before."""
+    from trl_costaware.compare.plot import COMPUTE_LABEL, figure
+
+    steps = [1, 2, 3, 4, 5, 6]
+    runs = [
+        synthetic_steps("base", steps, [0.0, 0.25, 0.5, 1.0, 0.9, 0.9], False, 1000, 1000),
+        synthetic_steps("ca", steps, [0.0, 0.2, 0.4, 0.8, 1.0, 1.0], True, 1000, 250),
+    ]
+    fig = figure(compare_runs(runs, smoothing=0, fractions=(1.0,)))
+    tokens, compute = fig.axes
+    assert tokens.get_xlabel() == "policy-optimisation tokens" and compute.get_xlabel() == COMPUTE_LABEL
+    assert "generation 55%" in compute.get_title()
+    crossings = {line.get_color(): line.get_xdata()[0] for line in compute.lines if line.get_marker() == "o"}
+    assert crossings["tab:blue"] == pytest.approx(5 * 0.6625) and crossings["tab:gray"] == pytest.approx(4.0)
+    assert "compute to baseline peak vs baseline — cost_aware: +17.2%" in compute.texts[-1].get_text()
+    assert len(figure(compare_runs(runs, smoothing=0, fractions=(1.0,), compute_split=None)).axes) == 1
+    no_counters = [
+        synthetic("base", [100, 200, 300, 400], [0.0, 0.5, 1.0, 0.8], False),
+        synthetic("ca", [50, 100, 150, 200], [0.0, 0.5, 1.0, 1.0], True),
+    ]
+    assert len(figure(compare_runs(no_counters, smoothing=0)).axes) == 1
+
+
 def parse_split_cpu():
     from trl_costaware.compare import cpu_split
 

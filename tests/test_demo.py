@@ -1,4 +1,4 @@
-"""`make demo` (trl_costaware.demo): the target rule, tokens to target, and the summary of a tiny run."""
+"""`make demo` (trl_costaware.demo): the target rule, tokens and compute to target, and the summary of a tiny run."""
 
 import json
 
@@ -32,6 +32,85 @@ def test_tokens_to_target_first_crossing_interpolated():
     assert demo.tokens_to_target(curve, 0.61) is None
 
 
+def _arm(policy_per_step, gen_per_step, accs, phase_s=None):
+    curve = [
+        {
+            "step": 2 * i,
+            "policy_tokens": 2 * i * policy_per_step,
+            "generated_tokens": 2 * i * gen_per_step,
+            "heldout_acc": a,
+        }
+        for i, a in enumerate(accs)
+    ]
+    steps = curve[-1]["step"]
+    return {
+        "curve": curve,
+        "totals": {"policy_tokens": steps * policy_per_step, "generated_tokens": steps * gen_per_step},
+        "phase_s": phase_s,
+    }
+
+
+def test_compute_prices_tokens_in_grpo_steps_at_gen55_and_the_measured_split():
+    """One GRPO step costs 1 at every split; an arm that keeps half the policy tokens of the same rollouts costs
+    s_gen + (1 − s_gen)/2 per step: 0.775 at generation 55%, and at the machine's split (GRPO's measured update share
+    0.6: generation 40%) 0.7. Compute to target is read on the same curve as policy tokens."""
+    from trl_costaware.compare.compute import GPU_VERL
+
+    grpo = _arm(1000, 400, [0.5, 0.6, 0.7, 0.8], {"training_step": 10.0, "generate_and_score": 4.0})
+    ca = _arm(500, 400, [0.5, 0.6, 0.7, 0.8])
+    results = {"grpo": grpo, "cost_aware_grpo": ca}
+    splits = demo.compute_splits(grpo)
+    assert splits["gen55"] is GPU_VERL and splits["machine"].generation == pytest.approx(0.4)
+    assert splits["machine"].update == pytest.approx(0.6) and splits["machine"].passes == 0
+    demo.add_compute(results, splits)
+    assert grpo["curve"][-1]["compute_gen55"] == pytest.approx(6.0)  # 6 steps
+    assert ca["curve"][-1]["compute_gen55"] == pytest.approx(6 * 0.775)
+    assert ca["curve"][-1]["compute_machine"] == pytest.approx(6 * 0.7)
+    target = 0.75
+    assert demo.tokens_to_target(ca["curve"], target, "compute_gen55") == pytest.approx(5 * 0.775)
+    assert demo.tokens_to_target(ca["curve"], target) / demo.tokens_to_target(grpo["curve"], target) == 0.5
+    # No phase timers (a run recorded without them): gen 55% only.
+    assert list(demo.compute_splits({"phase_s": None})) == ["gen55"]
+
+
+def test_summary_table_puts_compute_to_target_beside_policy_tokens(tmp_path, monkeypatch):
+    """The table's columns, the ratio line (policy tokens and compute at both splits) and the figure's panels, from a
+    summary built the way `run_demo` builds it (training replaced by fixed curves)."""
+    grpo = _arm(1000, 400, [0.5, 0.6, 0.7, 0.8], {"training_step": 10.0, "generate_and_score": 4.0})
+    ca = _arm(500, 400, [0.5, 0.6, 0.7, 0.8])
+    for r in (grpo, ca):
+        r.update(heldout_acc_start=0.5, heldout_acc_end=0.8, greedy_acc_start=0.9, greedy_acc_end=0.9, train_wall_s=1)
+    runs = iter([grpo, ca])
+    monkeypatch.setattr("trl_costaware.embedded.testbed.train_run", lambda **kw: next(runs))
+    panels = []
+    real_subplots = __import__("matplotlib.pyplot", fromlist=["subplots"]).subplots
+
+    def spy(*args, **kwargs):
+        fig, axes = real_subplots(*args, **kwargs)
+        panels.append(axes)
+        return fig, axes
+
+    monkeypatch.setattr("matplotlib.pyplot.subplots", spy)
+    summary = demo.run_demo(steps=6, output_dir=str(tmp_path), eval_n=512, progress=False)
+    arm = summary["arms"]["cost_aware_grpo"]
+    assert set(arm["compute_to_target"]) == {"gen55", "machine"}
+    assert arm["compute"]["gen55"] == pytest.approx(6 * 0.775)
+    labels = [ax.get_xlabel() for ax in panels[0][0]]
+    assert labels[0].startswith("policy-optimisation tokens") and all("compute" in x for x in labels[1:])
+    assert len(labels) == 3 and "generation 55%" in panels[0][0][1].get_title()
+    assert "generation 40%" in panels[0][0][2].get_title()
+    text = demo.format_summary(summary)
+    header = next(line for line in text.splitlines() if line.startswith("| arm"))
+    assert (
+        "| policy tokens to target | compute to target (gen 55%) | compute to target (this machine, gen 40%) |"
+        in header
+    )
+    assert (
+        "0.50x GRPO's policy tokens, 0.78x its compute at gen 55%, 0.70x its compute at this machine, gen 40%" in text
+    )
+    assert json.loads((tmp_path / "summary.json").read_text())["compute_splits"]["gen55"]["generation"] == 0.55
+
+
 @pytest.mark.slow
 def test_demo_summary_of_a_tiny_run(tmp_path, tiny_model_path):
     out = tmp_path / "demo"
@@ -50,6 +129,7 @@ def test_demo_summary_of_a_tiny_run(tmp_path, tiny_model_path):
     for arm in on_disk["arms"].values():
         for key in ("heldout_accuracy_start", "heldout_accuracy_end", "policy_tokens", "tokens_to_target"):
             assert key in arm
+        assert set(arm["compute_to_target"]) == {"gen55", "machine"}  # the GRPO arm's phases were timed
         assert 0.0 <= arm["heldout_accuracy_start"] <= 1.0 and 0.0 <= arm["heldout_accuracy_end"] <= 1.0
         assert [p["step"] for p in arm["curve"]] == [0, 1, 2]
         tokens = [p["policy_tokens"] for p in arm["curve"]]
@@ -62,6 +142,7 @@ def test_demo_summary_of_a_tiny_run(tmp_path, tiny_model_path):
     assert (out / "heldout_accuracy.png").stat().st_size > 1000
     text = demo.format_summary(summary)
     assert "No tokens-to-target claim" in text and "no target" in text
+    assert "compute to target (gen 55%)" in text and "compute to target (this machine, gen " in text
 
 
 @pytest.mark.slow

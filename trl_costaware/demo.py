@@ -6,8 +6,15 @@
 Builds (or reuses) the tiny model and its SFT warm-up, trains both arms from the same checkpoint with the same seed,
 the same prompts and the same rollouts per step (the `trl_costaware.embedded.testbed` recipe: 64 prompts x 16
 rollouts), and measures held-out accuracy (512 fixed problems, one sample at T = 1) every few steps. Prints, per arm,
-held-out accuracy at the start and end, policy-optimisation tokens and the tokens to reach the target, and writes
-``summary.json`` and ``heldout_accuracy.png`` to the output folder.
+held-out accuracy at the start and end, policy-optimisation tokens, and the policy tokens and the compute to reach
+the target, and writes ``summary.json`` and ``heldout_accuracy.png`` (held-out accuracy against policy tokens and
+against compute) to the output folder.
+
+Compute is what a run costs in GRPO steps (`trl_costaware.compare.compute`): generated and policy tokens weighted so
+that one step of this run's GRPO arm costs 1, at two phase splits of a GRPO step (`compute_splits`): verl's GPU split
+(generation 55%, old/reference passes 19%, update 26%) and this machine's, measured on the GRPO arm (its update
+share of a training step; no old/reference pass: β = 0, one iteration per generation batch). Policy tokens alone
+leave out the generation, which every step pays in full, so they overstate what the cost-aware arm saves.
 
 The target is the start accuracy plus 80% of GRPO's improvement in this run (its last `END_POINTS` evaluations
 averaged, minus the start). When GRPO's improvement is not above the noise (`NOISE_SE` standard errors of a
@@ -22,6 +29,7 @@ import math
 import os
 import warnings
 
+from trl_costaware.compare.compute import GPU_VERL, Split, cpu_split, measured_update_share, token_weights
 from trl_costaware.embedded.testbed import DEFAULT_STEPS, EVAL_EVERY, GRPO_RECIPE, HELDOUT_N
 
 DEMO_SETTINGS = GRPO_RECIPE  # the recipe both arms use (kept under its old name for scripts that import it)
@@ -46,19 +54,53 @@ def demo_target(grpo_curve: list[dict], n: int) -> tuple[float | None, str]:
     return start + TARGET_FRACTION * (end - start), f"start + {TARGET_FRACTION:.0%} of GRPO's improvement"
 
 
-def tokens_to_target(curve: list[dict], target: float | None) -> float | None:
-    """Policy tokens where the held-out curve first reaches `target`, linearly interpolated between the last
-    evaluation below it and the first at or above it (None when never reached or no target)."""
+def tokens_to_target(curve: list[dict], target: float | None, key: str = "policy_tokens") -> float | None:
+    """`key` (policy tokens by default; any cumulative value of the curve's points, e.g. a compute) where the
+    held-out curve first reaches `target`, linearly interpolated between the last evaluation below it and the first at
+    or above it (None when never reached or no target)."""
     if target is None:
         return None
     for i, point in enumerate(curve):
         if point["heldout_acc"] >= target:
             if i == 0:
-                return point["policy_tokens"]
+                return point[key]
             prev = curve[i - 1]
             f = (target - prev["heldout_acc"]) / (point["heldout_acc"] - prev["heldout_acc"])
-            return prev["policy_tokens"] + f * (point["policy_tokens"] - prev["policy_tokens"])
+            return prev[key] + f * (point[key] - prev[key])
     return None
+
+
+def compute_splits(grpo_run: dict) -> dict[str, Split]:
+    """The phase splits of a GRPO step the demo prices compute at: ``gen55`` (verl's GPU split, `GPU_VERL`) and,
+    when the GRPO run carries its phase timers, ``machine`` (this machine's, from the GRPO arm's measured update
+    share: `cpu_split`)."""
+    splits = {"gen55": GPU_VERL}
+    share = measured_update_share(grpo_run.get("phase_s"))
+    if share is not None:
+        splits["machine"] = cpu_split(share, "machine")
+    return splits
+
+
+def add_compute(results: dict[str, dict], splits: dict[str, Split]) -> dict[str, dict]:
+    """Give every curve point of every arm ``compute_<split>``: its generated and policy tokens priced in GRPO steps
+    (`token_weights` calibrated to the GRPO arm's tokens per step, so its step costs 1). Returns the weights per
+    split."""
+    grpo = results["grpo"]
+    steps = max(grpo["curve"][-1]["step"], 1)
+    gen, pol = grpo["totals"]["generated_tokens"] / steps, grpo["totals"]["policy_tokens"] / steps
+    weights = {name: token_weights(split, gen, pol) for name, split in splits.items()}
+    for res in results.values():
+        for point in res["curve"]:
+            for name, w in weights.items():
+                point[f"compute_{name}"] = w.compute(point["generated_tokens"], point["policy_tokens"])
+    return weights
+
+
+def split_label(name: str, split: Split) -> str:
+    """How the table and the figure name a split."""
+    if name == "machine":
+        return f"this machine, gen {split.generation:.0%}"
+    return f"gen {split.generation:.0%}"
 
 
 def finish_accuracy_plot(fig, ax, target: float | None, path: str, title: str, legend_size=None) -> None:
@@ -66,30 +108,53 @@ def finish_accuracy_plot(fig, ax, target: float | None, path: str, title: str, l
     it (shared by the demo and benchmarks/token_efficiency.py)."""
     import matplotlib.pyplot as plt
 
-    if target is not None:
-        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.3f}")
-    ax.set_xlabel("policy-optimisation tokens (millions)")
-    ax.set_ylabel("held-out accuracy (T=1, 512 problems)")
-    ax.set_title(title, fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=legend_size)
+    style_accuracy_axes(ax, target, "policy-optimisation tokens (millions)", title, legend_size)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def plot_curves(results: dict[str, dict], target: float | None, path: str, title: str) -> str:
+def style_accuracy_axes(ax, target: float | None, xlabel: str, title: str, legend_size=None) -> None:
+    """Target line, labels, title, grid and legend of one held-out accuracy panel."""
+    if target is not None:
+        ax.axhline(target, color="grey", ls="--", lw=1, label=f"target {target:.3f}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("held-out accuracy (T=1, 512 problems)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=legend_size)
+
+
+def plot_curves(
+    results: dict[str, dict], target: float | None, path: str, title: str, splits: dict[str, Split] | None = None
+) -> str:
+    """Held-out accuracy against policy tokens and, per split in `splits` (the curves carry ``compute_<split>``,
+    `add_compute`), against compute in GRPO steps: one panel each, side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    splits = splits or {}
+    fig, axes = plt.subplots(1, 1 + len(splits), figsize=(6.2 * (1 + len(splits)), 4.4), squeeze=False)
+    axes = axes[0]
     for name, res in results.items():
-        xs = [p["policy_tokens"] / 1e6 for p in res["curve"]]
         ys = [p["heldout_acc"] for p in res["curve"]]
-        ax.plot(xs, ys, marker="o", ms=3, label=name)
-    finish_accuracy_plot(fig, ax, target, path, title)
+        axes[0].plot([p["policy_tokens"] / 1e6 for p in res["curve"]], ys, marker="o", ms=3, label=name)
+        for ax, key in zip(axes[1:], splits, strict=True):
+            ax.plot([p[f"compute_{key}"] for p in res["curve"]], ys, marker="o", ms=3, label=name)
+    style_accuracy_axes(axes[0], target, "policy-optimisation tokens (millions)", title + "\nagainst policy tokens")
+    for ax, (key, split) in zip(axes[1:], splits.items(), strict=True):
+        where = "measured on this machine's GRPO arm" if key == "machine" else split.source.split(":")[0]
+        style_accuracy_axes(
+            ax,
+            target,
+            "compute (GRPO steps: one GRPO step = 1)",
+            f"against compute at {split.describe()}\n({where})",
+        )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
 
 
@@ -125,6 +190,8 @@ def run_demo(
             testbed=testbed,
         )
     target, why = demo_target(results["grpo"]["curve"], eval_n)
+    splits = compute_splits(results["grpo"])
+    weights = add_compute(results, splits)
     summary = {
         "steps": steps,
         "seed": seed,
@@ -132,6 +199,15 @@ def run_demo(
         "heldout_problems": eval_n,
         "target": target,
         "target_rule": why,
+        "compute_units": "GRPO steps (one step of this run's GRPO arm = 1)",
+        "compute_splits": {
+            name: {
+                **split.__dict__,
+                "weight_per_generated_token": weights[name].gen,
+                "weight_per_policy_token": weights[name].policy,
+            }
+            for name, split in splits.items()
+        },
         "arms": {
             name: {
                 "heldout_accuracy_start": r["heldout_acc_start"],
@@ -141,7 +217,10 @@ def run_demo(
                 "policy_tokens": r["totals"]["policy_tokens"],
                 "generated_tokens": r["totals"]["generated_tokens"],
                 "tokens_to_target": tokens_to_target(r["curve"], target),
+                "compute": {k: r["curve"][-1][f"compute_{k}"] for k in splits},
+                "compute_to_target": {k: tokens_to_target(r["curve"], target, f"compute_{k}") for k in splits},
                 "train_wall_s": r["train_wall_s"],
+                "phase_s": r.get("phase_s"),
                 "curve": r["curve"],
             }
             for name, r in results.items()
@@ -151,7 +230,8 @@ def run_demo(
         results,
         target,
         os.path.join(output_dir, "heldout_accuracy.png"),
-        f"Embedded {testbed} testbed, seed {seed}: held-out accuracy vs policy tokens",
+        f"Embedded {testbed} testbed, seed {seed}: held-out accuracy",
+        splits,
     )
     with open(os.path.join(output_dir, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(summary, fh, indent=1)
@@ -171,42 +251,74 @@ def _default_settings() -> str:
     return f"kept fraction {kept!r}, weights {d['cost_aware_weight_normalization']!r}"
 
 
+def _reach(summary: dict, value, fmt) -> str:
+    if summary["target"] is None:
+        return "no target"
+    return "not reached" if value is None else fmt(value)
+
+
 def format_summary(summary: dict) -> str:
+    splits = summary.get("compute_splits", {})
+    compute_cols = [f"compute to target ({split_label(k, Split(**_split_fields(s)))})" for k, s in splits.items()]
     lines = [
         f"Embedded {summary.get('testbed', 'default')} testbed, {summary['steps']} steps per arm, seed "
         f"{summary['seed']}, same prompts and rollouts; "
         f"held-out accuracy on {summary['heldout_problems']} problems (one sample at T=1; ±0.02).",
         "",
-        "| arm | held-out acc start → end | greedy start → end | policy tokens | tokens to target | train s |",
-        "|---|---|---|---|---|---|",
+        "| arm | held-out acc start → end | greedy start → end | policy tokens | policy tokens to target | "
+        + "".join(f"{c} | " for c in compute_cols)
+        + "train s |",
+        "|---|---|---|---|---|" + "---|" * len(compute_cols) + "---|",
     ]
     for name, a in summary["arms"].items():
-        reach = "not reached" if a["tokens_to_target"] is None else f"{a['tokens_to_target']:,.0f}"
-        if summary["target"] is None:
-            reach = "no target"
-        lines.append(
-            f"| {name} | {a['heldout_accuracy_start']:.3f} → {a['heldout_accuracy_end']:.3f} | "
-            f"{a['greedy_accuracy_start']:.3f} → {a['greedy_accuracy_end']:.3f} | {a['policy_tokens']:,.0f} | "
-            f"{reach} | {a['train_wall_s']:.0f} |"
-        )
+        cells = [
+            name,
+            f"{a['heldout_accuracy_start']:.3f} → {a['heldout_accuracy_end']:.3f}",
+            f"{a['greedy_accuracy_start']:.3f} → {a['greedy_accuracy_end']:.3f}",
+            f"{a['policy_tokens']:,.0f}",
+            _reach(summary, a["tokens_to_target"], lambda v: f"{v:,.0f}"),
+        ]
+        cells += [_reach(summary, a["compute_to_target"][k], lambda v: f"{v:.1f} steps") for k in splits]
+        cells.append(f"{a['train_wall_s']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
+    base, ca = summary["arms"]["grpo"], summary["arms"]["cost_aware_grpo"]
     if summary["target"] is None:
         lines.append(f"No tokens-to-target claim: {summary['target_rule']}.")
     else:
         lines.append(f"Target held-out accuracy {summary['target']:.3f} ({summary['target_rule']}).")
-        base, ca = summary["arms"]["grpo"], summary["arms"]["cost_aware_grpo"]
         if base["tokens_to_target"] and ca["tokens_to_target"]:
             ratio = ca["tokens_to_target"] / base["tokens_to_target"]
+            parts = [f"{ratio:.2f}x GRPO's policy tokens"]
+            for k, s in splits.items():
+                b, c = base["compute_to_target"][k], ca["compute_to_target"][k]
+                if b and c:
+                    parts.append(f"{c / b:.2f}x its compute at {split_label(k, Split(**_split_fields(s)))}")
             lines.append(
-                f"Cost-Aware GRPO reached it with {ratio:.2f}x GRPO's policy tokens in this one run; one seed is an "
-                "illustration, the 10-seed result with intervals is in BENCHMARKS.md."
+                f"Cost-Aware GRPO reached it with {', '.join(parts)} in this one run; one seed is an illustration, "
+                "the paired-seed results with intervals are in BENCHMARKS.md §6."
             )
-    saved = 1 - summary["arms"]["cost_aware_grpo"]["policy_tokens"] / summary["arms"]["grpo"]["policy_tokens"]
+    saved = 1 - ca["policy_tokens"] / base["policy_tokens"]
     lines.append(
         f"Over the same rollouts, Cost-Aware GRPO (the package defaults: {_default_settings()}) trained on "
         f"{saved:.0%} fewer policy tokens."
     )
+    if splits:
+        described = "; ".join(
+            f"{split_label(k, sp)}: {sp.describe()}"
+            + (" (measured: GRPO's update share of a training step)" if k == "machine" else f" ({sp.source})")
+            for k, sp in ((k, Split(**_split_fields(s))) for k, s in splits.items())
+        )
+        lines.append(
+            "Compute = generated and policy tokens priced in GRPO steps (one GRPO step = 1; "
+            f"trl_costaware.compare.compute) at each split — {described}. Every step pays the whole generation, so "
+            "policy tokens alone overstate the saving."
+        )
     return "\n".join(lines)
+
+
+def _split_fields(d: dict) -> dict:
+    return {k: d[k] for k in ("generation", "passes", "update", "name", "source")}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,7 @@ From measured wall time instead (a run's update phase share ``u`` = (training st
 training step): with the same generation work per step, the arm's step costs ``(1 − u_base) / (1 − u_arm)`` of the
 baseline's (`phase_step_cost`), free of the machine-speed differences between runs that absolute seconds carry.
 
-Plain functions; `trl-costaware compare` and `benchmarks/compute_to_target.py` use them.
+Plain functions; `trl-costaware compare`, `make demo` and the benchmarks use them.
 """
 
 from __future__ import annotations
@@ -75,6 +75,17 @@ def cpu_split(update_share: float, name: str = "cpu") -> Split:
     if not 0.0 <= update_share <= 1.0:
         raise ValueError(f"update_share must be in [0, 1], got {update_share}")
     return Split(1.0 - update_share, 0.0, update_share, name, f"measured GRPO update share {update_share:.0%}")
+
+
+def measured_update_share(phase_s: dict | None) -> float | None:
+    """A run's update share u = (training step − generation and scoring) / training step, from its summed phase
+    timers ``{"training_step": s, "generate_and_score": s}`` (`trl_costaware.embedded.testbed.train_run`'s
+    ``phase_s``); None when the timers are missing."""
+    phase_s = phase_s or {}
+    step, gen = phase_s.get("training_step"), phase_s.get("generate_and_score")
+    if not step or gen is None:
+        return None
+    return max(0.0, step - gen) / step
 
 
 def parse_split(spec: str) -> Split:
