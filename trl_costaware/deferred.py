@@ -21,6 +21,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
+from .plan import float64_bits, to_float64
 from .vllm_ratio import vllm_importance_sampling_ratio, vllm_metrics
 
 # The code object of TRL's scoring function: its direct calls to `_get_per_token_logps_and_entropies` are the passes
@@ -120,24 +121,24 @@ class DeferredLogProbPasses:
             )
 
     def _vllm_ratio_stats(self, chunk) -> torch.Tensor:
-        """On the chunk's device, no transfer: [Σ|Δ|, count, max |Δ|, min r, Σ r, count r, max r] over the loss tokens
-        (Δ = old − sampling log-prob, NaN excluded; r per token, or per row for the sequence modes), as TRL logs them
-        over the full batch."""
+        """On the chunk's device, no transfer, float32: [Σ|Δ|, count, max |Δ|, min r, Σ r, count r, max r] over the
+        loss tokens (Δ = old − sampling log-prob, NaN excluded; r per token, or per row for the sequence modes), as
+        TRL logs them over the full batch."""
         mask = self._loss_mask(chunk).bool()
-        delta = (chunk["old_per_token_logps"] - chunk["sampling_per_token_logps"]).abs()
+        delta = (chunk["old_per_token_logps"] - chunk["sampling_per_token_logps"]).abs().float()
         valid = mask & ~torch.isnan(delta)
-        ratio = chunk["importance_sampling_ratio"]
+        ratio = chunk["importance_sampling_ratio"].float()
         on = valid.new_ones(ratio.shape) if self.vllm_importance_sampling_mode.startswith("sequence") else mask
         zero = delta.new_zeros(())
         inf = delta.new_full((), math.inf)
         return torch.stack(
             [
                 torch.where(valid, delta, zero).sum(),
-                valid.sum().to(delta.dtype),
+                valid.sum().float(),
                 torch.where(valid, delta, -inf).amax(),
                 torch.where(on, ratio, inf).amin(),
                 torch.where(on, ratio, zero).sum(),
-                on.sum().to(delta.dtype),
+                on.sum().float(),
                 torch.where(on, ratio, -inf).amax(),
             ]
         )
@@ -145,8 +146,12 @@ class DeferredLogProbPasses:
     def _log_vllm_ratio(self, chunks, local, device):
         """TRL's five vLLM metrics over the kept rows, reduced over ranks as TRL reduces them (`vllm_metrics`: means
         of per-rank means, extremes of per-rank extremes; their latest values, appended by TRL from the placeholder,
-        are replaced), with the buffer's counters: one gather (several processes) and one host copy."""
-        stats = torch.stack([self._vllm_ratio_stats(c) for c in chunks]).double()  # (micro-batches, 7)
+        are replaced), with the buffer's counters: one gather (several processes) and one host copy.
+
+        Nothing float64 reaches the device (not every device has it): the statistics are float32 there (TRL's own
+        precision for these metrics) and travel as their bit pattern, the float64 host counters as theirs
+        (`plan.float64_bits`), both in one int64 tensor; the counters are summed over ranks on the host, exactly."""
+        stats = torch.stack([self._vllm_ratio_stats(c) for c in chunks])  # (micro-batches, 7), float32
         reduced = torch.stack(
             [
                 stats[:, 0].sum(),
@@ -158,16 +163,17 @@ class DeferredLogProbPasses:
                 stats[:, 6].max(),
             ]
         )
-        counters = torch.tensor(list(local.values()), dtype=torch.float64, device=reduced.device)
-        per_rank = torch.cat([reduced, counters]).unsqueeze(0)
+        counters = float64_bits(torch.tensor(list(local.values()), dtype=torch.float64))
+        wire = torch.cat([reduced.view(torch.int32).to(torch.int64), counters.to(reduced.device)]).unsqueeze(0)
         if self.accelerator.num_processes > 1:
-            per_rank = self.accelerator.gather(per_rank.to(device))
-        r = per_rank.cpu().double()
+            wire = self.accelerator.gather(wire.to(device))
+        wire = wire.cpu()
+        r = wire[:, :7].to(torch.int32).view(torch.float32).double()
         metrics = self._metrics["train"]
-        for key, value in zip(VLLM_METRICS, vllm_metrics(r[:, :7]), strict=True):
+        for key, value in zip(VLLM_METRICS, vllm_metrics(r), strict=True):
             if metrics[key]:
                 metrics[key][-1] = value
             else:
                 metrics[key].append(value)
-        for key, value in zip(local, r[:, 7:].sum(0).tolist(), strict=True):
+        for key, value in zip(local, to_float64(wire[:, 7:]).sum(0).tolist(), strict=True):
             self._cost_aware_totals[key] += value

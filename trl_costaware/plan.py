@@ -213,26 +213,36 @@ class SingleProcess:
         return {k: float(v) for k, v in values.items()}
 
 
+def float64_bits(x: torch.Tensor) -> torch.Tensor:
+    """A float64 host tensor as its int64 bit pattern (`to_float64` reads it back bit for bit). Collectives send
+    float64 values this way: every backend gathers int64, and not every device has float64 (MPS has none)."""
+    return x.double().contiguous().view(torch.int64)
+
+
+def to_float64(bits: torch.Tensor) -> torch.Tensor:
+    """The float64 host tensor whose int64 bit pattern is `bits` (`float64_bits`)."""
+    return bits.cpu().contiguous().view(torch.float64)
+
+
 class AcceleratorCollective:
-    """`Collective` over the accelerator's processes (gathers on the batch's device, one host copy each)."""
+    """`Collective` over the accelerator's processes (gathers on the batch's device, one host copy each). Nothing
+    float64 reaches the device: float64 values travel as their int64 bit pattern (`float64_bits`) and are read and
+    summed on the host, so the results are float64 exactly as if the device had it."""
 
     def __init__(self, accelerator, device):
         self.accelerator, self.device = accelerator, device
         self.rank, self.size = accelerator.process_index, accelerator.num_processes
 
     def max_ints(self, values):
-        local = torch.tensor([list(values)], device=self.device)
+        local = torch.tensor([[int(v) for v in values]], dtype=torch.int64, device=self.device)
         return self.accelerator.gather(local).amax(0).cpu().tolist()
 
     def cat(self, x):
-        # float64 bit for bit, whatever the device: the float64 host tensor travels as its int64 bit pattern (every
-        # backend gathers int64; not every device has float64) and is read back as float64 on the host.
-        bits = x.double().contiguous().view(torch.int64)
-        return self.accelerator.gather(bits.to(self.device)).cpu().view(torch.float64)
+        return to_float64(self.accelerator.gather(float64_bits(x).to(self.device)))
 
     def sum(self, values):
-        local = torch.tensor([list(values.values())], dtype=torch.float64, device=self.device)
-        total = self.accelerator.gather(local).double().sum(0).cpu().tolist()
+        local = float64_bits(torch.tensor([list(values.values())], dtype=torch.float64))
+        total = to_float64(self.accelerator.gather(local.to(self.device))).sum(0).tolist()
         return dict(zip(values, total, strict=True))
 
 
