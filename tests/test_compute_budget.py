@@ -20,6 +20,7 @@ from trl_costaware.compute_budget import (
     expected_kept_tokens,
     noise_terms,
     predicted_cost,
+    rows_per_optimizer_step,
 )
 from trl_costaware.sampling import draw_rows, eligible_rows, sampling_distribution, sampling_scores
 
@@ -240,3 +241,12 @@ def test_without_the_inflation_correction_the_estimate_is_biased():
     assert trace != pytest.approx(trace_true, rel=0.08) and trace == pytest.approx(2 * trace_true, rel=0.1)
     grad = _flat_grad(model, (model(x[:32]) - y[:32]).pow(2).mean())
     assert noise_terms(float(grad @ grad), float(grad @ grad), 0.0)[0] == 0.0
+
+
+def test_rows_per_optimizer_step():
+    """N·G/S: a fraction of a generation batch per step when G < S, several batches when G > S, not rounded."""
+    assert rows_per_optimizer_step(16, steps_per_generation=2, accumulation_steps=4) == 32
+    assert rows_per_optimizer_step(24, steps_per_generation=3, accumulation_steps=2) == 16
+    assert rows_per_optimizer_step(16, steps_per_generation=4, accumulation_steps=1) == 4
+    with pytest.raises(ValueError):
+        rows_per_optimizer_step(16, steps_per_generation=0, accumulation_steps=1)

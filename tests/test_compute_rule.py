@@ -192,3 +192,19 @@ def test_rule_sees_the_estimators_noise_scale(model_path, tmp_path):
     assert trainer.pairs[0] == (None, None)
     assert all(rho == pytest.approx(0.5 * ratio) for ratio, rho in trainer.pairs[2:])
     assert len({ratio for ratio, _ in trainer.pairs[2:]}) > 1  # the estimate moves from batch to batch
+
+
+@pytest.mark.parametrize("steps_per_generation,accumulation", [(2, 4), (3, 2), (2, 2)])
+def test_noise_scale_is_in_rows_of_one_optimizer_step(model_path, tmp_path, steps_per_generation, accumulation):
+    """`cost_aware/noise_scale` = ρ × the rows behind one optimizer step's gradient, N·G/S = per_device_batch × G on
+    one process, also when G does not divide S (S = 2, G = 4: a step spans two generation batches; S = 3, G = 2: a
+    generation batch spans 1.5 steps)."""
+    args = make_args(
+        tmp_path, steps_per_generation=steps_per_generation, gradient_accumulation_steps=accumulation, max_steps=3
+    )
+    trainer = train(model_path, args)
+    rows = [row for row in trainer.state.log_history if "cost_aware/noise_scale" in row]
+    assert rows
+    for row in rows:
+        expected = row["cost_aware/noise_to_signal"] * args.per_device_train_batch_size * accumulation
+        assert row["cost_aware/noise_scale"] == pytest.approx(expected, rel=1e-6)

@@ -101,6 +101,16 @@ def noise_terms(grad_sq: float, grad_dot: float, inflation: float) -> tuple[floa
     return (grad_sq - grad_dot) / (1.0 + inflation), grad_dot
 
 
+def rows_per_optimizer_step(rows_per_generation: float, steps_per_generation: int, accumulation_steps: int) -> float:
+    """The rows behind one optimizer step's gradient, N · G / S: a generation batch of N rows (all ranks) is split over
+    S = `steps_per_generation` micro-steps, and an optimizer step accumulates G = `gradient_accumulation_steps` of
+    them, so S / G optimizer steps per generation batch (a fraction when G ∤ S: with G > S one step spans several
+    generation batches of N rows each). The gradient noise scale in rows is then B_noise = ρ · N · G / S."""
+    if steps_per_generation <= 0 or accumulation_steps <= 0:
+        raise ValueError(f"steps must be positive, got S={steps_per_generation}, G={accumulation_steps}")
+    return rows_per_generation * accumulation_steps / steps_per_generation
+
+
 @dataclass
 class Ema:
     """An exponential moving average with the start-up bias removed (Adam's correction): `value` is None before the

@@ -29,7 +29,7 @@ import torch
 from transformers import TrainerCallback
 
 from .budget import COMPUTE
-from .compute_budget import ComputeSignal, Ema, NoiseScale
+from .compute_budget import ComputeSignal, Ema, NoiseScale, rows_per_optimizer_step
 
 
 class _OptimizerTimer(TrainerCallback):
@@ -129,8 +129,10 @@ class ComputeSignals:
             self._window["tokens"] = tokens
         inflation = plan.metrics.get("budget_inflation", 0.0)
         self._step_inflation = inflation if 0.0 <= inflation < math.inf else 0.0
-        steps = max(self.args.steps_per_generation // self.args.gradient_accumulation_steps, 1)
-        self._step_rows = plan.totals["rows"] / steps
+        args = self.args
+        self._step_rows = rows_per_optimizer_step(
+            plan.totals["rows"], args.steps_per_generation, args.gradient_accumulation_steps
+        )
 
     def _compute_signal(self) -> ComputeSignal | None:
         if not self._compute_rule:
