@@ -32,6 +32,7 @@ from .deferred import DEFERRED_KEYS, DeferredLogProbPasses
 from .layout import micro_token_factor
 from .packed import BETA_SCALE_KEY, NOOP_KEY, PackedLayout
 from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
+from .prompt_stage import PromptStage
 from .proxy import DEFAULT_GAMMA, row_factor
 from .sampling import sequence_costs, stream_generator
 from .step_signals import ComputeSignals
@@ -73,7 +74,7 @@ def host_floats(values: list) -> list[float]:
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
-class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, ComputeSignals, GRPOTrainer):
+class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, ComputeSignals, GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with

@@ -1,0 +1,161 @@
+"""The prompt stage's trainer mixin: draws each generation batch's prompts with `PromptSampler` and weights their rows.
+
+Wiring only; the math is in `prompt_sampling.py` and the state in `prompt_history.py` (docs/prompt_sampling.md).
+With `cost_aware_prompt_sampling=True`:
+
+- the train dataset gets a column `cost_aware_prompt_index` (its row index) at construction, and TRL's train
+  sampler is replaced by `PromptSampler` (the eval sampler is untouched). An `IterableDataset` has no index to key a
+  history on and is refused;
+- per training generation batch the column is stripped before TRL sees the inputs (reward functions never get it),
+  TRL generates and scores as usual, and then, on every rank alike: one gather of the rows' prompt index and token
+  counts, the draw matched (`PromptHistory.take_record`), the update queued, and each row's advantage multiplied by
+  its prompt's weight w_j = K / (P π_j) (times the token normaliser's correction for losses divided by the batch's
+  tokens). The row sampler (`cost_aware=True`) then runs on the weighted advantages, so its proxy sees w_j |A_i|.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .prompt_history import PromptHistory, PromptSampler, PromptUpdate
+from .prompt_sampling import token_normaliser_factor
+from .sampling import effective_sample_size
+
+INDEX_COLUMN = "cost_aware_prompt_index"
+PROMPT_TOTAL = "prompt_generated_tokens_saved"
+# Losses divided by the generation batch's (or micro-batch's) tokens: their normaliser follows q (plan.py's
+# LOSS_NORMALISERS with rows=False); the others are per row or constant, so the prompt weight alone is exact.
+BATCH_TOKEN_LOSSES = ("dapo", "cispo", "vespo", "bnpo")
+
+
+def with_index_column(dataset):
+    """`dataset` (a `datasets.Dataset`) with its row index in `INDEX_COLUMN`; a ValueError for anything without one."""
+    from datasets import Dataset
+
+    if not isinstance(dataset, Dataset):
+        raise ValueError(
+            "cost_aware_prompt_sampling=True needs a map-style datasets.Dataset as train_dataset (its history is keyed "
+            f"on the row index); got {type(dataset).__name__}. An IterableDataset has no index: set "
+            "cost_aware_prompt_sampling=False for streaming data."
+        )
+    if INDEX_COLUMN in dataset.column_names:
+        dataset = dataset.remove_columns(INDEX_COLUMN)
+    return dataset.add_column(INDEX_COLUMN, list(range(len(dataset))))
+
+
+def loader_lag(args) -> int:
+    """Draws between a generation batch's draw and the first draw allowed to see its rewards: 2 (the loader reads
+    one batch ahead), plus every batch loader workers may hold in advance."""
+    workers = int(args.dataloader_num_workers or 0)
+    return 2 + workers * int(args.dataloader_prefetch_factor or 2) if workers else 2
+
+
+class PromptStage:
+    """Mixin for `CostAwareGRPOTrainer` (before `GRPOTrainer` in the bases)."""
+
+    def __init__(self, *args, **kwargs):
+        config = kwargs.get("args")
+        enabled = bool(getattr(config, "cost_aware_prompt_sampling", False))
+        if enabled:
+            kwargs["train_dataset"] = with_index_column(kwargs.get("train_dataset"))
+        super().__init__(*args, **kwargs)
+        self._prompt_history = None
+        self._prompt_rewards = None
+        if enabled:
+            a = self.args
+            self._prompt_history = PromptHistory(
+                len(self.train_dataset),
+                self.num_generations,
+                smoothing=a.cost_aware_prompt_smoothing,
+                forgetting=a.cost_aware_prompt_forgetting,
+                scale=a.scale_rewards,
+                seed=a.seed if a.cost_aware_seed is None else a.cost_aware_seed,
+                lag=loader_lag(a),
+            )
+
+    def _get_train_sampler(self, dataset=None):
+        if self._prompt_history is None:
+            return super()._get_train_sampler(dataset)
+        return PromptSampler(
+            self._prompt_history,
+            mini_repeat_count=self.num_generations,
+            batch_size=self.args.generation_batch_size // self.num_generations,
+            repeat_count=self.num_iterations * self.args.steps_per_generation,
+        )
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        if self._prompt_history is not None and self.model.training:
+            self._prompt_rewards = rewards_per_func  # gathered over ranks by TRL
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        if self._prompt_history is None or not self.model.training:
+            return super()._generate_and_score_completions(inputs)
+        local = [int(x[INDEX_COLUMN]) for x in inputs]
+        inputs = [{k: v for k, v in x.items() if k != INDEX_COLUMN} for x in inputs]
+        self._prompt_rewards = None
+        batch = super()._generate_and_score_completions(inputs)
+        self._weight_prompts(batch, local)
+        return batch
+
+    def _weight_prompts(self, batch, local: list[int]) -> None:
+        """Match the draw, queue its update, weight the rows' advantages, log (one gather, identical on all ranks)."""
+        history, g = self._prompt_history, self.num_generations
+        device = batch["advantages"].device
+        rows = torch.stack(
+            [
+                torch.as_tensor(local, device=device),
+                batch["prompt_mask"].sum(-1),
+                self._generated_lengths(batch),
+                self._loss_mask(batch).sum(-1),
+            ],
+            dim=1,
+        ).long()
+        if self.accelerator.num_processes > 1:
+            rows = self.accelerator.gather(rows)
+        rows = rows.cpu()
+        record = history.take_record(rows[:, 0].tolist())
+        k = len(record.indices)
+        weights = self.reward_weights.to(self._prompt_rewards.device).unsqueeze(0)
+        rewards = (self._prompt_rewards * weights).nansum(dim=1).float().cpu().view(k, g)
+        generated = rows[:, 2].double().view(k, g)
+        history.submit(PromptUpdate(record.draw, record.indices, rewards, generated.mean(1), rows[:, 1].view(k, g)[:, 0]))
+
+        w = record.weights.double()
+        norm = 1.0
+        if self.loss_type in BATCH_TOKEN_LOSSES:
+            norm = token_normaliser_factor(w, rows[:, 3].double().view(k, g).sum(1))
+        factor = w.repeat_interleave(g) * norm
+        n = len(local)
+        start = self.accelerator.process_index * n
+        mine = factor[start : start + n].to(device=device, dtype=batch["advantages"].dtype)
+        batch["advantages"] = batch["advantages"] * mine
+
+        zero = (rewards.max(1).values - rewards.min(1).values).abs() <= 1e-12
+        gen_group = generated.sum(1)
+        saved = float((w * gen_group).sum() - gen_group.sum())  # a uniform draw's HT-estimated tokens − these
+        totals = self._cost_aware_totals
+        totals[PROMPT_TOTAL] = totals.get(PROMPT_TOTAL, 0.0) + saved
+        predicted = record.predicted_zero_variance
+        metrics = self._metrics["train"]
+        for key, value in {
+            "prompt_zero_variance_token_share": float(gen_group[zero].sum() / gen_group.sum().clamp(min=1)),
+            "prompt_zero_variance_groups": float(zero.double().mean()),
+            "prompt_predicted_zero_variance": float(predicted.mean()),
+            "prompt_zero_variance_brier": float(((predicted - zero.double()) ** 2).mean()),
+            "prompt_weight_ess_fraction": effective_sample_size(w) / k,
+            "prompt_weight_max": float(w.max()),
+            "prompt_weight_min": float(w.min()),
+            "prompt_tokens_saved_batch": saved,
+            "prompt_token_normaliser": norm,
+        }.items():
+            metrics[f"cost_aware/{key}"].append(value)
+
+    # ------------------------------------------------------------------ checkpoints (the trainer's state hooks)
+    def _prompt_state(self) -> dict | None:
+        return None if self._prompt_history is None else self._prompt_history.state_dict()
+
+    def _load_prompt_state(self, state: dict | None) -> None:
+        if self._prompt_history is not None and state is not None:
+            self._prompt_history.load_state_dict(state)
