@@ -119,7 +119,9 @@ class PromptHistory:
         seen = self.seen[idx]
         mix = self.forgetting
         self.completion[idx] = torch.where(
-            seen, mix * self.completion[idx] + (1 - mix) * update.completion_tokens.double(), update.completion_tokens.double()
+            seen,
+            mix * self.completion[idx] + (1 - mix) * update.completion_tokens.double(),
+            update.completion_tokens.double(),
         )
         self.prompt[idx] = update.prompt_tokens.double()
         self.seen[idx] = True
@@ -130,9 +132,9 @@ class PromptHistory:
             update = self.pending.pop(d, None)
             if update is None:
                 raise RuntimeError(
-                    f"cost_aware_prompt_sampling: the rewards of generation batch {d} had not arrived when the prompts "
-                    f"of batch {last + self.lag} were drawn (lag {self.lag}). The data loader reads further ahead than "
-                    "the lag allows; use dataloader_num_workers=0."
+                    f"cost_aware_prompt_sampling: the rewards of generation batch {d} had not arrived when the "
+                    f"prompts of batch {last + self.lag} were drawn (lag {self.lag}). The data loader reads further "
+                    "ahead than the lag allows; use dataloader_num_workers=0."
                 )
             self._apply(update)
             self.applied = d
@@ -224,7 +226,9 @@ class PromptHistory:
         self.reward_range = None if low != low else (low, high)
         self.applied, self.taken = int(state["applied"]), int(state["taken"])
         self.pending = {
-            int(d): PromptUpdate(int(d), u["indices"].tolist(), u["rewards"], u["completion_tokens"], u["prompt_tokens"])
+            int(d): PromptUpdate(
+                int(d), u["indices"].tolist(), u["rewards"], u["completion_tokens"], u["prompt_tokens"]
+            )
             for d, u in state["pending"].items()
         }
         self.records.clear()

@@ -55,7 +55,9 @@ def beta_binomial_pmf(a: torch.Tensor, b: torch.Tensor, n: int) -> torch.Tensor:
     def log_beta(x, y):
         return torch.lgamma(x) + torch.lgamma(y) - torch.lgamma(x + y)
 
-    log_choose = torch.lgamma(torch.tensor(n + 1.0, dtype=torch.float64)) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
+    log_choose = (
+        torch.lgamma(torch.tensor(n + 1.0, dtype=torch.float64)) - torch.lgamma(k + 1) - torch.lgamma(n - k + 1)
+    )
     log_p = log_choose + log_beta(k + a, n - k + b) - log_beta(a, b)
     p = log_p.exp()
     return p / p.sum(1, keepdim=True)
@@ -80,7 +82,7 @@ def zero_variance_probability(pmf: torch.Tensor) -> torch.Tensor:
 
 
 def prompt_distribution(value: torch.Tensor, cost: torch.Tensor, smoothing: float) -> torch.Tensor:
-    """q_j = (1 − α) s_j / Σ s + α / P with s_j = v̂_j / √ĉ_j (uniform when every s_j is 0); α = `smoothing` in (0, 1]."""
+    """q_j = (1 − α) s_j / Σ s + α / P with s_j = v̂_j / √ĉ_j (uniform when every s_j is 0), α = `smoothing`."""
     if not 0.0 < smoothing <= 1.0:
         raise ValueError(f"smoothing must be in (0, 1] (every prompt must stay drawable), got {smoothing}")
     value = torch.nan_to_num(value.double(), nan=0.0).clamp(min=0.0)

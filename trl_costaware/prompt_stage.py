@@ -34,8 +34,8 @@ def with_index_column(dataset):
 
     if not isinstance(dataset, Dataset):
         raise ValueError(
-            "cost_aware_prompt_sampling=True needs a map-style datasets.Dataset as train_dataset (its history is keyed "
-            f"on the row index); got {type(dataset).__name__}. An IterableDataset has no index: set "
+            "cost_aware_prompt_sampling=True needs a map-style datasets.Dataset as train_dataset (its history is "
+            f"keyed on the row index); got {type(dataset).__name__}. An IterableDataset has no index: set "
             "cost_aware_prompt_sampling=False for streaming data."
         )
     if INDEX_COLUMN in dataset.column_names:
@@ -120,7 +120,9 @@ class PromptStage:
         weights = self.reward_weights.to(self._prompt_rewards.device).unsqueeze(0)
         rewards = (self._prompt_rewards * weights).nansum(dim=1).float().cpu().view(k, g)
         generated = rows[:, 2].double().view(k, g)
-        history.submit(PromptUpdate(record.draw, record.indices, rewards, generated.mean(1), rows[:, 1].view(k, g)[:, 0]))
+        history.submit(
+            PromptUpdate(record.draw, record.indices, rewards, generated.mean(1), rows[:, 1].view(k, g)[:, 0])
+        )
 
         w = record.weights.double()
         norm = 1.0
