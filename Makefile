@@ -87,37 +87,44 @@ clean:
 	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .cache
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
-# BENCHMARKS.md has the tables these produce. `make bench-quick` (smoke versions; the SGD/subset ones write to
-# benchmarks/results/tmp, ours to *_quick files) takes about half an hour on 2 cores, `make bench` several hours.
+# One target per script; benchmarks/README.md says which question each answers and where its result lies, and
+# BENCHMARKS.md has the tables. `make bench-quick` runs the smoke versions of the four that have one (the SGD/subset
+# ones write to benchmarks/results/tmp, the others to *_quick files); `make bench` the full ones (several hours on 2
+# cores). The regime matrix, the noise-scale check, the batch shapes and the step profile run on their own.
 BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 QUICK ?=
 
-.PHONY: bench bench-quick bench-sgd bench-subset bench-token-efficiency bench-proxy-fidelity bench-overhead bench-regime \
-	bench-noise
+.PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime bench-noise \
+	bench-batch-shapes bench-profile profile
 
+# Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/cost_aware_sgd.py $(QUICK) $(if $(QUICK),--out benchmarks/results/tmp,)
 
+# What does dropping the most expensive examples under a bias budget Γ cost in error, and save in cost? (§1)
 bench-subset: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/subset_selection.py $(QUICK) $(if $(QUICK),--out benchmarks/results/tmp,)
 
-bench-token-efficiency: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/token_efficiency.py $(QUICK)
-
+# How well do |A| and the loss-aware proxy predict each row's true gradient norm, per loss type? (§2)
 bench-proxy-fidelity: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/proxy_fidelity.py $(QUICK)
 
-bench-overhead: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/overhead.py $(QUICK)
+# The |A|/√c draw against the other row rules on the same rollouts (GRPO without its zero-advantage rows, uniform
+# subsampling, PODS, GRPO on half the prompts): policy tokens to the target (§3, §5), then compute to the target of
+# the committed runs (§7). TE_ARGS: e.g. TE_ARGS="--testbed long".
+TE_ARGS ?=
+bench-token-efficiency: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/token_efficiency.py $(QUICK) $(TE_ARGS)
+	$(if $(QUICK),,$(BENCH_ENV) $(BIN)/python benchmarks/token_efficiency.py --compute-to-target)
 
-# The regime matrix (BENCHMARKS.md §6: cells chosen by a measured property, every arm at GRPO's compute, the decision
-# per compute split) and compute to target from the committed token-efficiency runs (§7). `make bench-regime QUICK=1`
-# is the smoke version (tiny batches, 3 steps; results beside its runs in outputs/bench/regime_matrix_smoke).
+# The regime matrix (BENCHMARKS.md §6): which kept fraction and weights are the default, decided by compute to the
+# target and end accuracy at GRPO's compute, per compute split, over cells chosen by a measured property.
+# `make bench-regime QUICK=1` is the smoke version (tiny batches, 3 steps; results beside its runs in
+# outputs/bench/regime_matrix_smoke).
 #   make bench-regime REGIME_ARGS="--cells default_late --arms grpo,cost_aware_auto --seeds 5"
 REGIME_ARGS ?=
 bench-regime: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py $(if $(QUICK),--smoke,) $(REGIME_ARGS)
-	$(BENCH_ENV) $(BIN)/python benchmarks/compute_to_target.py
 
 # The "compute" rule's premises (BENCHMARKS.md §8): the gradient noise scale at each regime-matrix cell's start (lr 0)
 # against the steps' measured response to halving the batch (needs the matrix's runs), and the noise a row sample
@@ -126,19 +133,25 @@ bench-noise: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py
 	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py --inflation default,long --steps 40
 
-bench: bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-overhead
+# Does the update's compute fall with the kept tokens at every micro-batch size, under each layout and backend
+# (docs/layout.md)? BACKEND: single, ddp, zero2, zero3 (2 CPU processes); results merge into batch_shapes.{json,md}.
+BACKEND ?= single
+bench-batch-shapes: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/batch_shapes.py --backend $(BACKEND)
 
-# Where a step's time goes (generation, reward, old/ref passes, policy update, optimizer), GRPO against Cost-Aware GRPO
-# on a randomly initialised model with real shapes (benchmarks/configs/). On a GPU machine:
-#   make profile PROFILE_CONFIG=qwen2.5-0.5b PROFILE_ARGS="--bf16 --steps 4 --rollouts 64 --max-completion-length 256"
+# Where a step's time goes (generation, reward, old/ref passes, cost-aware sampling, policy update, optimizer), GRPO
+# against Cost-Aware GRPO on a randomly initialised model with real shapes (benchmarks/configs/). On a GPU machine:
+#   make bench-profile PROFILE_CONFIG=qwen2.5-0.5b PROFILE_ARGS="--bf16 --steps 4 --rollouts 64 --max-completion-length 256"
 PROFILE_CONFIG ?= tiny
 PROFILE_ARGS ?=
 PROFILE_TIMEOUT ?= 540
-
-.PHONY: profile
-profile: $(STAMP)
+bench-profile: $(STAMP)
 	$(BENCH_ENV) timeout $(PROFILE_TIMEOUT) $(BIN)/python benchmarks/step_profile.py --config $(PROFILE_CONFIG) \
 		$(PROFILE_ARGS) --out benchmarks/results/step_profile_$(PROFILE_CONFIG)
+
+profile: bench-profile  # the target's earlier name
+
+bench: bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency
 
 bench-quick:
 	$(MAKE) bench QUICK=--quick

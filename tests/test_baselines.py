@@ -203,3 +203,27 @@ def test_analysis_claims_nothing_when_grpo_does_not_improve():
     assert res["target"] is None and "no tokens-to-target" in res["target_rule"]
     assert res["arms"]["cost_aware_0.5"]["ratio_vs_grpo"]["policy_tokens"]["n"] == 0
     assert "none: GRPO's improvement" in te.markdown(res, "cmd")
+
+
+def test_compute_to_target_on_the_committed_runs():
+    """`token_efficiency.py --compute-to-target` (BENCHMARKS.md §7), from the committed per-seed rows: each arm's
+    break-even is 1 / its step cost under the split; GRPO on half the prompts halves every phase, so its compute ratio
+    equals its policy-token ratio under every split; and no arm run with recentred weights from before the recentring
+    fix (scaled by the bug) is used."""
+    import token_efficiency as te
+
+    from trl_costaware.compare.compute import GPU_VERL, cpu_split, step_cost
+
+    res = te.compute_to_target()
+    for tb, t in res["testbeds"].items():
+        assert all(a["file"] in te.CT_POST_FIX_NAMES for n, a in t["arms"].items() if "recenter" in n), tb
+        cpu = cpu_split(t["splits"]["cpu"]["update"])
+        for arm, a in t["arms"].items():
+            f = a["kept_token_fraction"][0]
+            if arm != "grpo_half":
+                assert a["break_even_gpu"][0] == pytest.approx(1 / step_cost(f, GPU_VERL), rel=0.03)
+                assert a["break_even_cpu"][0] == pytest.approx(1 / step_cost(f, cpu), rel=0.03)
+        half = t["arms"]["grpo_half"]
+        for s in te.CT_SPLIT_KEYS:
+            assert half[f"ratio_compute_{s}"][0] == pytest.approx(half["ratio_policy_tokens"][0], rel=0.02)
+        assert half["ratio_compute_phase"][0] is None  # the phase figure assumes the same generation per step
