@@ -266,8 +266,10 @@ def sampling_floor_warning(
     steps_per_generation: int,
     gradient_accumulation_steps: int,
     kept_fraction,
+    packed_possible: bool = True,
 ) -> str | None:
-    """A warning naming the fields when the shape keeps more than asked, or None.
+    """A warning naming the fields when the shape keeps more than asked, or None (`packed_possible=False`: without
+    the hint that the packed layout lifts the even layout's limit, for a trainer that cannot pack).
 
     The kept count m is a multiple of k = `kept_multiple(...)` and at least k, of N = B·S rows per rank: a fixed
     fraction f keeps m/N = max(k, ⌊round(f·N)/k⌋·k)/N, which the warning reports when it exceeds 1.1·f; under "auto"
@@ -288,7 +290,9 @@ def sampling_floor_warning(
         )
         + f") out of {n} rows per rank"
     )
-    hint = " cost_aware_layout='packed' (or 'auto') lifts the even layout's limit." if layout == "even" else ""
+    hint = ""
+    if layout == "even" and packed_possible:
+        hint = " cost_aware_layout='packed' (or 'auto') lifts the even layout's limit."
     if isinstance(kept_fraction, int | float) and not isinstance(kept_fraction, bool):
         m = kept_row_count(n, float(kept_fraction), k)
         if m / n > 1.1 * kept_fraction:

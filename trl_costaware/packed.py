@@ -20,6 +20,7 @@ from .layout import (
     optimizer_segments,
     packed_micro_steps,
     row_mean_scale,
+    sampling_floor_warning,
     token_mean_scale,
 )
 from .plan import check_loss_type
@@ -39,30 +40,41 @@ DATA_PARALLEL_TYPES = frozenset(
 class PackedLayout:
     """The packed layout's methods; mixed into `CostAwareGRPOTrainer` before `GRPOTrainer`."""
 
-    @property
-    def _layout(self) -> str:
-        return layout_of(self.args) if self.args.cost_aware else "even"
-
     def _check_layout(self):
-        """At construction: a router aux loss (known once the model is loaded) is added per micro-batch, also by a
-        no-op's forward, so the packed layout is refused for it when asked for by name, and "auto" falls back to the
-        even layout with a warning."""
-        if not (self.args.cost_aware and self.aux_loss_enabled and self._layout == "packed"):
+        """At construction: the layout this trainer runs, kept in `self._layout` ("packed" or "even"; the user's
+        `args.cost_aware_layout` is left as given). A router aux loss (known once the model is loaded) is added per
+        micro-batch, also by a no-op's forward, so the packed layout is refused for it when asked for by name, and
+        "auto" falls back to the even layout with a warning that says what the even layout keeps (the config's own
+        warning was computed for the packed layout)."""
+        args = self.args
+        self._layout = layout_of(args) if args.cost_aware else "even"
+        if not (args.cost_aware and self.aux_loss_enabled and self._layout == "packed"):
             return
-        if self.args.cost_aware_layout == "packed":
+        if args.cost_aware_layout == "packed":
             raise ValueError(
                 "cost_aware_layout='packed' cannot be combined with a router aux loss (this model has "
                 f"output_router_logits and router_aux_loss_coef={self.router_aux_loss_coef}): TRL adds it per "
                 "micro-batch, which packing would re-weight. Use cost_aware_layout='even' or 'auto', or "
                 "router_aux_loss_coef=0."
             )
-        warnings.warn(
+        self._layout = "even"
+        message = (
             "cost_aware_layout='auto' uses the even layout: this model adds a router aux loss per micro-batch "
-            f"(router_aux_loss_coef={self.router_aux_loss_coef}), which the packed layout would re-weight.",
-            UserWarning,
-            stacklevel=3,
+            f"(router_aux_loss_coef={self.router_aux_loss_coef}), which the packed layout would re-weight."
         )
-        self.args.cost_aware_layout = "even"
+        floor = sampling_floor_warning(
+            "even",
+            args.per_device_train_batch_size,
+            args.steps_per_generation,
+            args.gradient_accumulation_steps,
+            args.cost_aware_kept_fraction,
+            packed_possible=False,
+        )
+        if floor is not None:
+            message += f" Under it: {floor}"
+        if args.cost_aware_group_by_length:
+            message += " cost_aware_group_by_length=True applies (it groups the even layout's micro-batches)."
+        warnings.warn(message, UserWarning, stacklevel=3)
 
     def _pack_buffer(self, kept_batch, chunks, host, plan):
         """The packed layout of one generation batch (`layout.packed_micro_steps`): the S micro-step entries, each a

@@ -19,7 +19,10 @@ the plan. The math lives in `sampling.py`, `budget.py`, `proxy.py`; the batch la
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import warnings
 
 import torch
 from transformers import AutoProcessor, ProcessorMixin
@@ -29,7 +32,7 @@ from trl import GRPOTrainer
 from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .deferred import DEFERRED_KEYS, DeferredLogProbPasses
-from .layout import micro_token_factor
+from .layout import kept_multiple, micro_token_factor
 from .packed import BETA_SCALE_KEY, NOOP_KEY, PackedLayout
 from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .prompt_stage import PromptStage
@@ -159,6 +162,9 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         self._kept_host = None  # host statistics of its kept rows, by kept position
         self._buffer_kl_scale = None  # β multiplier of the buffer being trained on (batch-token losses)
         self._kept_batch = None  # the latest generation batch's kept rows, until `_process_new_buffer` lays them out
+        # The stream states at the start of the buffer being trained on: a checkpoint inside it saves these, since TRL
+        # regenerates that buffer on resume and its draw must then use the stream the interrupted draw used.
+        self._buffer_start_streams = None
         self._check_layout()
         self._init_compute_signals()  # the "compute" rule's noise scale and step costs (step_signals.py)
 
@@ -170,6 +176,7 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
             batch = super()._generate_and_score_completions(inputs)
             self._record_generation(batch)
             return batch
+        self._buffer_start_streams = self._stream_states()
         start = self._begin_generation()
         with self._deferred_log_prob_passes():
             batch = super()._generate_and_score_completions(inputs)
@@ -260,7 +267,12 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         rows' statistics, calls `plan.plan_batch` once, logs its metrics and counters. (Subclasses may replace it
         with another row rule returning the same pair; the plan-only corrections then do not apply.)"""
         rows = self._host_row_stats(batch)
-        settings = PlanSettings.from_args(self.args, self._zero_advantage_carries_gradient)
+        args = self.args
+        settings = PlanSettings.from_args(args, self._zero_advantage_carries_gradient)
+        # m's unit from the layout this trainer runs (`_check_layout` may have fallen back from the config's)
+        unit = kept_multiple(self._layout, args.steps_per_generation, args.gradient_accumulation_steps)
+        if settings.kept_multiple != unit:
+            settings = dataclasses.replace(settings, kept_multiple_of=unit)
         collective = self._collective(batch["advantages"].device)
         plan = plan_batch(rows, settings, self._sampler_generator, collective, self._compute_signal())
         self._batch_plan, self._batch_rows = plan, rows
@@ -408,7 +420,7 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
             self._metrics["train"]["cost_aware/grad_clipped"].append(clipped)
         return norm
 
-    # ------------------------------------------------------------------ logging and checkpoints
+    # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         # TRL averages the window of the mode it logs and clears only that one: an evaluation-time `log` leaves the
         # train window open, so the flags appended after it join floats already read. Read every flag still on the
@@ -418,32 +430,117 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         if flags:
             self._metrics[mode]["cost_aware/grad_clipped"] = host_floats(flags)
         # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
-        # eval curves can be drawn against policy tokens too.
-        logs.update({f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items()})
-        super().log(logs, start_time)
+        # eval curves can be drawn against policy tokens too. They go on the logged row only: transformers returns
+        # the dict it logs (`evaluate()`, `train()`'s metrics; a hyperparameter search sums every metric), which
+        # must hold what GRPOTrainer's holds, so the caller's dict gets only what GRPOTrainer's `log` adds to it.
+        counters = {f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items() if f"cost_aware/{k}" not in logs}
+        row = {**logs, **counters}
+        super().log(row, start_time)
+        logs.update({k: v for k, v in row.items() if k not in counters})
+
+    # ------------------------------------------------------------------ checkpoints
+    def _stream_states(self) -> dict:
+        return {
+            "generator": self._sampler_generator.get_state(),
+            "grouping_generator": self._grouping_generator.get_state(),
+        }
+
+    def _cost_aware_state(self) -> dict:
+        """What a checkpoint saves beyond TRL's, per rank (`STATE_FILE`): the random streams, the global counters,
+        the "compute" rule's state (`_compute_state`), the rank and world size that wrote it.
+
+        Extensible by mixins among the trainer's bases: a mixin defines the same method, takes its base's dict with
+        `base = getattr(super(), "_cost_aware_state", None); state = base() if base else {}`, adds its entries
+        under its own keys and returns it (`_restore_cost_aware_state` alike). The trainer's own entries are
+        written last."""
+        base = getattr(super(), "_cost_aware_state", None)
+        state = base() if base is not None else {}
+        # Inside a buffer TRL regenerates it on resume (its buffer is not saved): the streams as they were before
+        # that buffer's draw, so the regenerated draw uses the interrupted draw's stream and the rest of the run
+        # continues the uninterrupted run's stream.
+        inside_buffer = self._step % (self.args.steps_per_generation * self.num_iterations) != 0
+        streams = self._buffer_start_streams if inside_buffer and self._buffer_start_streams else self._stream_states()
+        state.update(streams)
+        state.update(
+            totals=dict(self._cost_aware_totals),
+            compute=self._compute_state(),
+            rank=self.accelerator.process_index,
+            world_size=self.accelerator.num_processes,
+        )
+        return state
+
+    def _restore_cost_aware_state(self, state: dict):
+        """Restores `_cost_aware_state`'s entries (mixins extend it as that method says). `state` may be another
+        rank's (`state["rank"]`, after a world-size change): the global entries (counters, compute rule) are
+        restored from it, this rank's random streams are not."""
+        base = getattr(super(), "_restore_cost_aware_state", None)
+        if base is not None:
+            base(state)
+        if state.get("rank", self.accelerator.process_index) == self.accelerator.process_index:
+            if "generator" in state:
+                self._sampler_generator.set_state(state["generator"])
+            if "grouping_generator" in state:
+                self._grouping_generator.set_state(state["grouping_generator"])
+        if "totals" in state:
+            self._cost_aware_totals.update(state["totals"])
+        if "compute" in state:
+            self._load_compute_state(state["compute"])
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         os.makedirs(folder, exist_ok=True)
-        state = {
-            "generator": self._sampler_generator.get_state(),
-            "grouping_generator": self._grouping_generator.get_state(),
-            "totals": dict(self._cost_aware_totals),
-            "compute": self._compute_state(),
-        }
-        torch.save(state, os.path.join(folder, STATE_FILE.format(rank=self.accelerator.process_index)))
+        torch.save(
+            self._cost_aware_state(), os.path.join(folder, STATE_FILE.format(rank=self.accelerator.process_index))
+        )
 
-    def _load_rng_state(self, checkpoint):
-        super()._load_rng_state(checkpoint)
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)  # once per resume, DeepSpeed included
+        self._load_cost_aware_state(checkpoint)
+
+    def _load_cost_aware_state(self, checkpoint):
+        """On resume: this rank's `STATE_FILE`. Without it (a different world size, several nodes without a shared
+        filesystem) one warning naming the file, and the counters stay monotone: rank 0's file (its counters and
+        compute state are global; this rank's streams start afresh), else the last logged `cost_aware/*` counters
+        of the checkpoint's trainer_state.json."""
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, STATE_FILE.format(rank=self.accelerator.process_index))
+        rank = self.accelerator.process_index
+        path = os.path.join(checkpoint, STATE_FILE.format(rank=rank))
         if os.path.exists(path):
-            state = torch.load(path, weights_only=True)
-            self._sampler_generator.set_state(state["generator"])
-            if "grouping_generator" in state:
-                self._grouping_generator.set_state(state["grouping_generator"])
-            self._cost_aware_totals.update(state["totals"])
-            if "compute" in state:
-                self._load_compute_state(state["compute"])
+            self._restore_cost_aware_state(torch.load(path, weights_only=True))
+            return
+        fallback = os.path.join(checkpoint, STATE_FILE.format(rank=0))
+        if rank != 0 and os.path.exists(fallback):
+            self._restore_cost_aware_state(torch.load(fallback, weights_only=True))
+            how = f"restored the global counters and the compute rule's state from {fallback}; this rank's sampler "
+            how += "and grouping streams start afresh"
+        else:
+            restored = self._totals_from_log_history(checkpoint)
+            if restored:
+                self._cost_aware_totals.update(restored)
+                how = "restored the cost_aware/* counters from the last values logged in its trainer_state.json"
+            else:
+                how = "found no logged cost_aware/* counters either: the counters restart at 0"
+            how += "; the sampler and grouping streams start afresh"
+        warnings.warn(
+            f"Resuming from {checkpoint}: {path} not found (a different world size, or several nodes without a shared "
+            f"filesystem?); {how}.",
+            UserWarning,
+            stacklevel=2,
+        )
+
+    def _totals_from_log_history(self, checkpoint) -> dict[str, float]:
+        """The last logged value of each cumulative counter in the checkpoint's trainer_state.json ({} if none)."""
+        try:
+            with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+                history = json.load(f).get("log_history", [])
+        except (OSError, ValueError):
+            return {}
+        found = {}
+        for row in history:
+            for key in self._cost_aware_totals:
+                value = row.get(f"cost_aware/{key}")
+                if isinstance(value, int | float):
+                    found[key] = max(float(value), found.get(key, 0.0))
+        return found
