@@ -114,6 +114,15 @@ ARMS: dict[str, dict] = {
         "trainer": "cost_aware",
         "settings": {"cost_aware_kept_fraction": "compute", "cost_aware_cost_model": "tokens", **NONE},
     },
+    # Issue 34: cost-aware before generation (the prompt stage), alone and with the row stage; a GRESO-style biased
+    # skip (`GresoTrainer`); both stages with half the prompts per step (the saving taken as cheaper steps).
+    "prompt": {"trainer": "grpo", "settings": {"cost_aware_prompt_sampling": True}},
+    "both": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "cost_aware_prompt_sampling": True}},
+    "greso": {"trainer": "greso", "settings": {"cost_aware_prompt_sampling": True}},
+    "both_half": {
+        "trainer": "cost_aware",
+        "settings": {**HALF, **NONE, "cost_aware_prompt_sampling": True, "per_device_train_batch_size": 512},
+    },
 }
 # The same rule with the noise scale scaled by 0.3: the median (0.32) of the measured response of the steps to
 # halving the batch over the model's prediction, on the four regime-matrix cells that have GRPO-half runs
@@ -140,13 +149,33 @@ def generation_token_cost(testbed: str, generation_share: float) -> float:
 
 # Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
 TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
-    "long": {"grpo_half": {"per_device_train_batch_size": 8}},  # 8 prompts x 8 = 64 rollouts per step
+    "long": {  # 8 prompts x 8 = 64 rollouts per step
+        "grpo_half": {"per_device_train_batch_size": 8},
+        "both_half": {"per_device_train_batch_size": 8},
+    },
 }
 for _tb in GRPO_TOKENS_PER_STEP:
     for _arm, _share in (("cost_aware_compute_gen55", 0.55), ("cost_aware_compute_gen77", 0.77)):
         _price = round(generation_token_cost(_tb, _share), 4)
         for _name in (_arm, _arm.replace("compute", "compute_cal", 1)):
             TESTBED_ARM_SETTINGS.setdefault(_tb, {})[_name] = {"cost_aware_generation_token_cost": _price}
+
+
+# GRESO-style skip (arXiv 2506.02177, simplified as issue 34 states it): a prompt whose last visit was zero-variance
+# is drawn with relative chance GRESO_EXPLORE, every other prompt with chance 1; no weights (biased by design).
+GRESO_EXPLORE = 0.2
+
+
+def greso_trainer():
+    """`CostAwareGRPOTrainer` whose prompt stage runs the GRESO-style rule (`prompt_history.RULES`)."""
+    from trl_costaware import CostAwareGRPOTrainer
+
+    class GresoTrainer(CostAwareGRPOTrainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self._prompt_history.rule, self._prompt_history.explore = "greso", GRESO_EXPLORE
+
+    return GresoTrainer
 
 
 def trainer_for(kind: str):
@@ -157,13 +186,15 @@ def trainer_for(kind: str):
         return CostAwareGRPOTrainer, {"cost_aware": False}
     if kind == "cost_aware":
         return CostAwareGRPOTrainer, {"cost_aware": True}
+    if kind == "greso":
+        return greso_trainer(), {"cost_aware": False, "cost_aware_prompt_sampling": True}
     from baselines import MaxVarianceTrainer, ZeroAdvantageFilterTrainer
 
     if kind == "zero_adv_filter":
         return ZeroAdvantageFilterTrainer, {"cost_aware": True}
     if kind == "max_variance":
         return MaxVarianceTrainer, {"cost_aware": True}
-    raise ValueError(f"trainer kind must be grpo, cost_aware, zero_adv_filter or max_variance, got {kind!r}")
+    raise ValueError(f"trainer kind must be grpo, cost_aware, greso, zero_adv_filter or max_variance, got {kind!r}")
 
 
 def run_arm(

@@ -62,8 +62,16 @@ SPLITS = {"cpu": None, "gpu": GPU_VERL, "gpu_gen77": GPU_GEN77}  # cpu: the cell
 CELLS = {
     f"{tb}{suffix}": (tb, kind)
     for tb in ("default", "long")
-    for suffix, kind in (("", "as_is"), ("_late", "late"), ("_variance", "variance"))
+    for suffix, kind in (("", "as_is"), ("_late", "late"), ("_variance", "variance"), ("_epochs", "epochs"))
 }
+# Multi-epoch cells (issue 34): a fixed pool of problems revisited epoch after epoch. Candidates (pool size, GRPO's
+# steps), tried in this order with the cell's first GRPO seed; the first on which every prompt is revisited at least
+# `MIN_REVISITS` times and GRPO's share of generated tokens in zero-variance groups passes `ZERO_SHARE_MIN` over the
+# last quarter of its steps is the cell.
+EPOCH_CANDIDATES = {"default": [(256, 40), (128, 40), (128, 80)], "long": [(128, 80), (64, 80)]}
+MIN_REVISITS = 10
+ZERO_SHARE_MIN = 0.5
+ZERO_SHARE_KEY = "cost_aware/zero_variance_token_share"
 SMOKE = {"per_device_train_batch_size": 32, "num_generations": 8}  # 4 prompts x 8 rollouts, for --smoke
 SMOKE_EVAL_N = 32
 
@@ -115,7 +123,15 @@ def _with_budget(cls, weights, budget):
     return Budgeted
 
 
-def run_one(name, spec, seed, root, *, testbed, steps, model_path=None, budget=None, eval_n=common.HELDOUT_N):
+def zero_variance_shares(output_dir: str) -> list[float]:
+    """Per training step: the share of generated tokens in groups whose rewards are all equal (the trainer's
+    ``cost_aware/zero_variance_token_share``), from the run's metrics record."""
+    return [r[ZERO_SHARE_KEY] for r in read_metrics(output_dir) if ZERO_SHARE_KEY in r]
+
+
+def run_one(
+    name, spec, seed, root, *, testbed, steps, model_path=None, budget=None, eval_n=common.HELDOUT_N, pool=None
+):
     """One run of a cell (cached in ``root/<name>__s<seed>/run_result.json`` when spec, steps and start agree).
     `budget`: (weights per split, compute) — the run stops when its compute reaches it under every split."""
     from trl_costaware.embedded.testbed import train_run
@@ -123,6 +139,8 @@ def run_one(name, spec, seed, root, *, testbed, steps, model_path=None, budget=N
     out = os.path.join(root, f"{name}__s{seed}")
     path = os.path.join(out, "run_result.json")
     key = {"spec": spec, "steps": steps, "model_path": model_path, "budget": None if budget is None else budget[1]}
+    if pool is not None:
+        key["pool"] = pool
     if os.path.exists(path):
         with open(path, encoding="utf-8") as fh:
             cached = json.load(fh)
@@ -145,8 +163,15 @@ def run_one(name, spec, seed, root, *, testbed, steps, model_path=None, budget=N
         model_path=model_path,
         run_group=f"regime-{name}",
         testbed=testbed,
+        pool=pool,
     )
-    result.update(arm=name, spec=spec, key=key, informative_shares=informative_shares(out))
+    result.update(
+        arm=name,
+        spec=spec,
+        key=key,
+        informative_shares=informative_shares(out),
+        zero_variance_shares=zero_variance_shares(out),
+    )
     with open(path + ".tmp", "w", encoding="utf-8") as fh:
         json.dump(result, fh)
     os.replace(path + ".tmp", path)
@@ -286,6 +311,51 @@ def variance_cell(testbed, root, seeds, steps, *, smoke=False) -> dict:
     return {"chosen": None, "tries": tries}
 
 
+def epochs_cell(testbed, root, seeds, *, smoke=False) -> dict:
+    """Try `EPOCH_CANDIDATES` in order with GRPO (the cell's first seed; the cell reuses the run); the first with the
+    property is the cell. Returns the choice and every try, each with its measured properties."""
+    from trl_costaware.embedded.testbed import get_testbed
+
+    extra = dict(SMOKE) if smoke else {}
+    recipe = {**get_testbed(testbed).recipe, **extra}
+    rows = recipe["per_device_train_batch_size"] * recipe.get("steps_per_generation", 1)
+    prompts = rows // recipe["num_generations"]
+    candidates = [(2 * prompts, 6)] if smoke else EPOCH_CANDIDATES[testbed]
+    tries = []
+    for pool, steps in candidates:
+        tag = f"epochs_{testbed}_pool{pool}_steps{steps}"
+        run = run_one(
+            "grpo",
+            arm_spec("grpo", testbed, extra),
+            seeds[0],
+            os.path.join(root, tag),
+            testbed=testbed,
+            steps=steps,
+            eval_n=SMOKE_EVAL_N if smoke else common.HELDOUT_N,
+            pool=pool,
+        )
+        shares = run["zero_variance_shares"]
+        last = shares[-max(1, len(shares) // 4) :]
+        late_share = float(np.mean(last)) if last else 0.0
+        revisits = steps * prompts / pool
+        holds = revisits >= MIN_REVISITS and late_share > ZERO_SHARE_MIN
+        tries.append(
+            {
+                "pool": pool,
+                "steps": steps,
+                "tag": tag,
+                "revisits": revisits,
+                "zero_variance_share_last_quarter": late_share,
+                "zero_variance_share_run": float(np.mean(shares)) if shares else None,
+                "property_holds": holds,
+            }
+        )
+        print(f"{tag}: revisits {revisits:.1f}, zero-variance token share (last quarter) {late_share:.3f}", flush=True)
+        if holds or smoke:
+            return {"chosen": tries[-1], "tries": tries}
+    return {"chosen": None, "tries": tries}
+
+
 def half_loss(gains, halves, resamples=10_000) -> dict:
     """1 − mean(half gain) / mean(GRPO gain) over paired seeds, with a bootstrap 95% interval (seeds resampled)."""
     g, h = np.asarray(gains, float), np.asarray(halves, float)
@@ -315,6 +385,11 @@ def cell_setup(cell, root, seeds, steps, smoke):
     if kind == "late":
         rec = late_checkpoint(testbed, root, smoke=smoke)
         return extra, rec["model_path"], os.path.join(root, cell), {"kind": kind, "checkpoint": rec}
+    if kind == "epochs":
+        ep = epochs_cell(testbed, root, seeds, smoke=smoke)
+        if ep["chosen"] is None:
+            return None, None, None, {"kind": kind, **ep}
+        return extra, None, os.path.join(root, ep["chosen"]["tag"]), {"kind": kind, **ep}
     var = variance_cell(testbed, root, seeds, steps, smoke=smoke)
     if var["chosen"] is None:
         return None, None, None, {"kind": kind, **var}
@@ -349,20 +424,23 @@ def setup_cell(cell, root, seeds, steps, smoke=False) -> dict | None:
         print(f"{cell}: no candidate has the property; no arms run", flush=True)
         return None
     eval_n = SMOKE_EVAL_N if smoke else common.HELDOUT_N
+    chosen = prop.get("chosen") if prop["kind"] == "epochs" else None
     return {
         "cell": cell,
         "testbed": testbed,
         "extra": extra,
         "model_path": model_path,
         "root": cell_root,
-        "steps": steps,
+        "steps": chosen["steps"] if chosen else steps,
         "eval_n": eval_n,
+        "pool": chosen["pool"] if chosen else None,
     }
 
 
 def run_in_cell(ctx: dict, arm: str, seed: int) -> dict:
     """GRPO for `steps`; any other arm with the same seed's GRPO compute as its budget (GRPO must have run)."""
     steps, kw = ctx["steps"], {"testbed": ctx["testbed"], "model_path": ctx["model_path"], "eval_n": ctx["eval_n"]}
+    kw["pool"] = ctx.get("pool")
     spec = arm_spec(arm, ctx["testbed"], ctx["extra"])
     if arm == "grpo":
         return run_one("grpo", spec, seed, ctx["root"], steps=steps, **kw)
@@ -408,8 +486,9 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="run folder (default outputs/bench/regime_matrix[_smoke])")
     p.add_argument("--smoke", action="store_true", help="tiny batches, 3 steps, 1 seed, 2 arms: the machinery only")
     p.add_argument("--analyze-only", action="store_true")
+    p.add_argument("--tag", default="regime_matrix", help="results name: benchmarks/results/<tag>.{json,md}")
     args = p.parse_args(argv)
-    tag = "regime_matrix_smoke" if args.smoke else "regime_matrix"
+    tag = f"{args.tag}_smoke" if args.smoke else args.tag
     root = args.out or os.path.join(common.ROOT, "outputs", "bench", tag)
     cells = args.cells.split(",")
     unknown = [c for c in cells if c not in CELLS]

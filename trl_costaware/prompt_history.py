@@ -115,7 +115,7 @@ class PromptHistory:
         g = rewards.shape[1]
         self.a[idx], self.b[idx] = forget_and_update(self.a[idx], self.b[idx], successes, g, self.forgetting)
         spread = torch.nan_to_num(rewards, nan=low)
-        self.last_zero_variance[idx] = (spread.max(1).values - spread.min(1).values) <= 1e-12
+        self.last_zero_variance[idx] = (spread.max(1).values - spread.min(1).values) <= 1e-12  # as TRL's zero std
         seen = self.seen[idx]
         mix = self.forgetting
         self.completion[idx] = torch.where(

@@ -28,6 +28,12 @@ PROMPT_TOTAL = "prompt_generated_tokens_saved"
 BATCH_TOKEN_LOSSES = ("dapo", "cispo", "vespo", "bnpo")
 
 
+def zero_variance(rewards: torch.Tensor) -> torch.Tensor:
+    """Per group (rows of `rewards`): every reward equal (NaN rewards count as equal to each other)."""
+    r = torch.nan_to_num(rewards.double(), nan=0.0)
+    return (r.max(1).values - r.min(1).values) <= 1e-12
+
+
 def with_index_column(dataset):
     """`dataset` (a `datasets.Dataset`) with its row index in `INDEX_COLUMN`; a ValueError for anything without one."""
     from datasets import Dataset
@@ -85,19 +91,41 @@ class PromptStage:
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
-        if self._prompt_history is not None and self.model.training:
+        if self.model.training:
             self._prompt_rewards = rewards_per_func  # gathered over ranks by TRL
         return rewards_per_func
 
+    def _group_rewards(self) -> torch.Tensor:
+        """The generation batch's rewards (every rank's rows) as TRL sums them, (groups, G), on the host."""
+        weights = self.reward_weights.to(self._prompt_rewards.device).unsqueeze(0)
+        return (self._prompt_rewards * weights).nansum(dim=1).float().cpu().view(-1, self.num_generations)
+
     def _generate_and_score_completions(self, inputs):
-        if self._prompt_history is None or not self.model.training:
+        if not self.model.training:
             return super()._generate_and_score_completions(inputs)
+        self._prompt_rewards = None
+        if self._prompt_history is None:
+            batch = super()._generate_and_score_completions(inputs)
+            if self._prompt_rewards is not None:
+                self._log_zero_variance_share(batch)
+            return batch
         local = [int(x[INDEX_COLUMN]) for x in inputs]
         inputs = [{k: v for k, v in x.items() if k != INDEX_COLUMN} for x in inputs]
-        self._prompt_rewards = None
         batch = super()._generate_and_score_completions(inputs)
         self._weight_prompts(batch, local)
         return batch
+
+    def _log_zero_variance_share(self, batch) -> None:
+        """`cost_aware/zero_variance_token_share` without the prompt stage: the share of this rank's generated tokens
+        in groups whose rewards (all ranks') are all equal (one device→host copy, no collective)."""
+        zero = zero_variance(self._group_rewards())
+        n = len(batch["advantages"])
+        start = self.accelerator.process_index * n
+        flags = zero.repeat_interleave(self.num_generations)[start : start + n]
+        generated = self._generated_lengths(batch).double().cpu()
+        self._metrics["train"]["cost_aware/zero_variance_token_share"].append(
+            float(generated[flags].sum() / generated.sum().clamp(min=1))
+        )
 
     def _weight_prompts(self, batch, local: list[int]) -> None:
         """Match the draw, queue its update, weight the rows' advantages, log (one gather, identical on all ranks)."""
@@ -117,8 +145,7 @@ class PromptStage:
         rows = rows.cpu()
         record = history.take_record(rows[:, 0].tolist())
         k = len(record.indices)
-        weights = self.reward_weights.to(self._prompt_rewards.device).unsqueeze(0)
-        rewards = (self._prompt_rewards * weights).nansum(dim=1).float().cpu().view(k, g)
+        rewards = self._group_rewards()
         generated = rows[:, 2].double().view(k, g)
         history.submit(
             PromptUpdate(record.draw, record.indices, rewards, generated.mean(1), rows[:, 1].view(k, g)[:, 0])
@@ -134,7 +161,7 @@ class PromptStage:
         mine = factor[start : start + n].to(device=device, dtype=batch["advantages"].dtype)
         batch["advantages"] = batch["advantages"] * mine
 
-        zero = (rewards.max(1).values - rewards.min(1).values).abs() <= 1e-12
+        zero = zero_variance(rewards)
         gen_group = generated.sum(1)
         saved = float((w * gen_group).sum() - gen_group.sum())  # a uniform draw's HT-estimated tokens − these
         totals = self._cost_aware_totals
@@ -142,7 +169,7 @@ class PromptStage:
         predicted = record.predicted_zero_variance
         metrics = self._metrics["train"]
         for key, value in {
-            "prompt_zero_variance_token_share": float(gen_group[zero].sum() / gen_group.sum().clamp(min=1)),
+            "zero_variance_token_share": float(gen_group[zero].sum() / gen_group.sum().clamp(min=1)),
             "prompt_zero_variance_groups": float(zero.double().mean()),
             "prompt_predicted_zero_variance": float(predicted.mean()),
             "prompt_zero_variance_brier": float(((predicted - zero.double()) ** 2).mean()),

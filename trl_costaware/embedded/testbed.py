@@ -57,6 +57,7 @@ DEFAULT_STEPS = 40
 HELDOUT_SEED = 12345
 HELDOUT_N = 512
 EVAL_EVERY = 2
+POOL_SEED = 4242  # the problems of a fixed training pool (`train_run(pool=...)`), the same for every run seed
 
 
 # The long testbed (counting, `counting.py`): 16 prompts x 8 rollouts = 128 rollouts per generation batch and per
@@ -193,6 +194,7 @@ def train_run(
     progress: str | None = None,
     run_group: str | None = None,
     testbed: str = "default",
+    pool: int | None = None,
 ) -> dict[str, Any]:
     """Train one arm for one seed on an embedded testbed and return its measurements.
 
@@ -207,6 +209,8 @@ def train_run(
         model_path: the starting policy (default: the testbed's warmed-up model).
         progress: a label for a tqdm progress bar (None: no bar).
         testbed: ``"default"`` or ``"long"`` (`TESTBEDS`).
+        pool: a fixed pool of that many training problems (the same problems for every seed, `POOL_SEED`), revisited
+            epoch after epoch; None: fresh problems for every step (drawn with `seed`).
 
     Returns a dict: ``curve`` (list of {step, policy_tokens, generated_tokens, wall_s, heldout_acc}, step 0 first),
     ``heldout_acc_start`` / ``heldout_acc_end`` (sampled), ``greedy_acc_start`` / ``greedy_acc_end``, ``totals`` (the
@@ -232,7 +236,7 @@ def train_run(
     )
     rows_per_generation = recipe["per_device_train_batch_size"] * recipe.get("steps_per_generation", 1)
     prompts_per_step = rows_per_generation // recipe["num_generations"]
-    dataset = bed.dataset(steps * prompts_per_step + 64, seed)
+    dataset = bed.dataset(steps * prompts_per_step + 64, seed) if pool is None else bed.dataset(pool, POOL_SEED)
     model_path = model_path or bed.model_path()
     trainer = trainer_cls(model_path, [bed.reward], args=config, train_dataset=dataset)
     for cb in (PrinterCallback, ProgressCallback):  # no metrics dict per step
