@@ -182,9 +182,17 @@ class PromptStage:
             metrics[f"cost_aware/{key}"].append(value)
 
     # ------------------------------------------------------------------ checkpoints (the trainer's state hooks)
-    def _prompt_state(self) -> dict | None:
-        return None if self._prompt_history is None else self._prompt_history.state_dict()
+    def _cost_aware_state(self) -> dict:
+        """The trainer's checkpoint state plus the prompt history (global: identical on every rank)."""
+        base = getattr(super(), "_cost_aware_state", None)
+        state = base() if base is not None else {}
+        if self._prompt_history is not None:
+            state["prompt_history"] = self._prompt_history.state_dict()
+        return state
 
-    def _load_prompt_state(self, state: dict | None) -> None:
-        if self._prompt_history is not None and state is not None:
-            self._prompt_history.load_state_dict(state)
+    def _restore_cost_aware_state(self, state: dict) -> None:
+        base = getattr(super(), "_restore_cost_aware_state", None)
+        if base is not None:
+            base(state)
+        if self._prompt_history is not None and "prompt_history" in state:
+            self._prompt_history.load_state_dict(state["prompt_history"])
