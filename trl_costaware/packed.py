@@ -29,6 +29,16 @@ from .plan import check_loss_type
 # multiplier of β for that micro-batch (`layout.row_mean_scale`, `layout.token_mean_scale`).
 NOOP_KEY = "cost_aware_noop"
 BETA_SCALE_KEY = "cost_aware_beta_scale"
+# This rank's (loss tokens, rows) of a real packed micro-batch: the weights of its metrics (`_token_weighted_metrics`).
+METRIC_WEIGHTS_KEY = "cost_aware_metric_weights"
+# TRL's per-micro-batch metrics that are a mean over the micro-batch's loss tokens on all ranks (`global_masked_mean`
+# in `GRPOTrainer._compute_loss`), or over its rows for a per-sequence value: "entropy" and "kl" always per token,
+# "vespo/phi_seq_mean" always per row, the clip ratios per token or, with importance_sampling_level="sequence", per
+# row. The extremes "clip_ratio/low_min" and "clip_ratio/high_max" (a micro-batch's min/max over its rows) are not
+# means and stay TRL's mean over micro-batches.
+PER_TOKEN_METRICS = ("entropy", "kl")
+PER_ROW_METRICS = ("vespo/phi_seq_mean",)
+PER_LEVEL_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio")
 # Backends on which a no-op micro-step may skip the model when it does not sync gradients: plain data parallel (DDP
 # accumulates locally under no_sync; nothing counts micro-steps). DeepSpeed counts micro-steps and accumulation
 # boundaries in its engine, FSDP/XLA/Megatron shard or trace: there the no-op runs a 1-token forward/backward.
@@ -79,7 +89,8 @@ class PackedLayout:
     def _pack_buffer(self, kept_batch, chunks, host, plan):
         """The packed layout of one generation batch (`layout.packed_micro_steps`): the S micro-step entries, each a
         trimmed micro-batch of kept rows with the loss type's correction, or a no-op (`batching.noop_micro_batch`),
-        and the β multiplier of each real micro-batch in order.
+        and, for each real micro-batch in order, the host keys to add to it once the deferred passes have run: its β
+        multiplier (`BETA_SCALE_KEY`) and its metric weights (`METRIC_WEIGHTS_KEY`).
 
         Rows are assigned to optimizer steps in TRL's shuffled order (the chunks' kept positions, then the m mod S rows
         TRL's split left out, the whole order then shuffled with the grouping stream). Corrections, per micro-batch
@@ -109,7 +120,7 @@ class PackedLayout:
         run_tokens = [sum(loss_tokens[i] for i in order[s * q : (s + 1) * q]) for s in range(count)]
         normaliser = check_loss_type(self.loss_type)
         noop = self._noop_micro_batch(kept_batch)
-        out, beta_scales = [], []
+        out, extras = [], []
         for position, rows in enumerate(steps):
             if rows is None:
                 out.append(noop)
@@ -131,8 +142,8 @@ class PackedLayout:
                     chunk["advantages"] = chunk["advantages"] * micro_token_factor(tokens, plan.micro_tokens_full)
             self._compute_deferred_logps(chunk)
             out.append(chunk)
-            beta_scales.append(beta_scale)
-        return out, beta_scales
+            extras.append({BETA_SCALE_KEY: beta_scale, METRIC_WEIGHTS_KEY: (tokens, float(len(rows)))})
+        return out, extras
 
     def _noop_micro_batch(self, kept_batch):
         """A no-op micro-step's batch (`batching.noop_micro_batch`: 1 row, 1 prompt token, 1 completion token the loss
@@ -171,7 +182,8 @@ class PackedLayout:
         real micro-batches last in each optimizer step, so the syncing micro-step runs the model); elsewhere TRL's loss
         on the 1-token no-op batch (zero gradient), with the metrics TRL appends for it removed, so entropy, clip
         ratios and KL are means over real micro-batches only. A real micro-batch: TRL's loss with β times its
-        `BETA_SCALE_KEY` (composed with the trainer's own β rescale, which calls this through `super()`)."""
+        `BETA_SCALE_KEY` (composed with the trainer's own β rescale, which calls this through `super()`); its metric
+        weights are kept for `_token_weighted_metrics`."""
         if not self.model.training:
             return super()._compute_loss(model, inputs)
         if inputs.get(NOOP_KEY):
@@ -190,10 +202,45 @@ class PackedLayout:
             return loss
         scale = inputs.get(BETA_SCALE_KEY)
         if scale is None or scale == 1.0 or self.beta == 0.0:
-            return super()._compute_loss(model, inputs)
-        beta = self.beta
-        self.beta = beta * scale  # > 0: TRL's `beta != 0` branches (and their collectives) run on every rank alike
-        try:
-            return super()._compute_loss(model, inputs)
-        finally:
-            self.beta = beta
+            loss = super()._compute_loss(model, inputs)
+        else:
+            beta = self.beta
+            self.beta = beta * scale  # > 0: TRL's `beta != 0` branches (and their collectives) run on every rank alike
+            try:
+                loss = super()._compute_loss(model, inputs)
+            finally:
+                self.beta = beta
+        weights = inputs.get(METRIC_WEIGHTS_KEY)
+        if weights is not None:
+            self._packed_metric_weights.append(weights)
+        return loss
+
+    def _token_weighted_metrics(self):
+        """At a train `log`, under the packed layout: TRL's per-micro-batch means (`PER_TOKEN_METRICS`,
+        `PER_ROW_METRICS`, `PER_LEVEL_METRICS`) of the window replaced by their mean over the window's loss tokens
+        (rows for a per-sequence value), summed over ranks:
+
+            value = Σ_k C_k v_k / Σ_k C_k     (v_k: micro-batch k's value, C_k its global token or row count),
+
+        the mean over the step's tokens that TRL's unweighted mean over micro-batches is when they hold equal tokens
+        (as GRPOTrainer's B-row micro-batches do in expectation); packed micro-batches are fewer and unequal. One
+        gather of the window's counts (several processes; every rank logs the same window). A metric whose entries do
+        not pair one to one with the window's micro-batches is left as TRL averages it."""
+        weights, self._packed_metric_weights = self._packed_metric_weights, []
+        if not weights:
+            return
+        local = {f"{kind}{k}": w[i] for k, w in enumerate(weights) for i, kind in enumerate(("t", "r"))}
+        summed = self._sum_over_ranks(local, self.accelerator.device)
+        tokens = [summed[f"t{k}"] for k in range(len(weights))]
+        rows = [summed[f"r{k}"] for k in range(len(weights))]
+        per_row_level = self.args.importance_sampling_level == "sequence"
+        metrics = self._metrics["train"]
+        for key in PER_TOKEN_METRICS + PER_ROW_METRICS + PER_LEVEL_METRICS:
+            values = metrics.get(key)
+            if not values or len(values) != len(weights):
+                continue
+            by_row = key in PER_ROW_METRICS or (key in PER_LEVEL_METRICS and per_row_level)
+            counts = rows if by_row else tokens
+            total = sum(counts)
+            if total > 0:
+                metrics[key] = [sum(c * float(v) for c, v in zip(counts, values, strict=True)) / total]

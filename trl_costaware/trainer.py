@@ -33,7 +33,7 @@ from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longe
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .deferred import DEFERRED_KEYS, DeferredLogProbPasses
 from .layout import kept_multiple, micro_token_factor
-from .packed import BETA_SCALE_KEY, NOOP_KEY, PackedLayout
+from .packed import NOOP_KEY, PackedLayout
 from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .prompt_stage import PromptStage
 from .proxy import DEFAULT_GAMMA, row_factor
@@ -166,6 +166,7 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         # regenerates that buffer on resume and its draw must then use the stream the interrupted draw used.
         self._buffer_start_streams = None
         self._check_layout()
+        self._packed_metric_weights = []  # the packed micro-batches' metric weights since the last train log
         self._init_compute_signals()  # the "compute" rule's noise scale and step costs (step_signals.py)
 
     # ------------------------------------------------------------------ generation batch: sample the rows
@@ -344,9 +345,9 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         host, plan = self._kept_host, self._batch_plan
         kept_batch, self._kept_batch = self._kept_batch, None
         packed = self.args.cost_aware and kept_batch is not None and self._layout == "packed"
-        beta_scales = None
+        extras = None
         if packed:
-            chunks, beta_scales = self._pack_buffer(kept_batch, chunks, host, plan)
+            chunks, extras = self._pack_buffer(kept_batch, chunks, host, plan)
         elif self.args.cost_aware:
             positions = [c.get("cost_aware_rows") for c in chunks]
             known = host is not None and all(p is not None for p in positions)
@@ -372,9 +373,9 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
                 c.pop("cost_aware_rows", None)
                 self._compute_deferred_logps(c)
         real = [c for c in chunks if not c.get(NOOP_KEY)]
-        if beta_scales is not None:
-            for c, scale in zip(real, beta_scales, strict=True):
-                c[BETA_SCALE_KEY] = scale  # after the deferred passes and the batching functions (unknown key there)
+        if extras is not None:
+            for c, extra in zip(real, extras, strict=True):
+                c.update(extra)  # after the deferred passes and the batching functions (unknown keys there)
         self._buffer_kl_scale = plan.kl_scale if plan is not None else None
         self._buffered_inputs = self._processed_buffer = chunks
         passes = self.num_iterations  # each micro-batch is trained on once per iteration
@@ -429,6 +430,8 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         flags = self._metrics[mode].get("cost_aware/grad_clipped")
         if flags:
             self._metrics[mode]["cost_aware/grad_clipped"] = host_floats(flags)
+        if mode == "train":
+            self._token_weighted_metrics()  # packed micro-batches: means over the window's tokens (packed.py)
         # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
         # eval curves can be drawn against policy tokens too. They go on the logged row only: transformers returns
         # the dict it logs (`evaluate()`, `train()`'s metrics; a hyperparameter search sums every metric), which

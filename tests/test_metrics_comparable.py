@@ -1,0 +1,157 @@
+"""What the trainer returns and logs, against GRPOTrainer on the same tiny run: `evaluate()` and `train()` return
+GRPOTrainer's keys (the cumulative counters go on the logged rows only), and under the packed layout TRL's
+per-micro-batch metrics are means over the step's tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trl import GRPOConfig, GRPOTrainer
+
+from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware.embedded.arithmetic import arithmetic_dataset
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c) % 4) for c in completions]
+
+
+def _args(tmp_path, cls, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=8,
+        per_device_eval_batch_size=8,
+        num_generations=4,
+        max_completion_length=10,
+        max_steps=1,
+        logging_steps=1,
+        save_strategy="no",
+        bf16=False,
+        seed=0,
+        learning_rate=1e-3,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- returned keys
+@pytest.mark.parametrize("cost_aware", [True, False])
+def test_evaluate_and_train_return_grpo_trainers_keys(tmp_path, tiny_model_path, cost_aware):
+    """transformers returns the dict it passed to `log`: the counters must not land in it (a hyperparameter search's
+    `default_compute_objective` sums every metric), while the logged rows still carry them."""
+    train, evaluation = arithmetic_dataset(16, seed=0), arithmetic_dataset(8, seed=1)
+    base = GRPOTrainer(
+        tiny_model_path,
+        [length_reward],
+        args=_args(tmp_path / "a", GRPOConfig),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    )
+    base_train = base.train().metrics
+    base_eval = base.evaluate()
+    ours = CostAwareGRPOTrainer(
+        tiny_model_path,
+        [length_reward],
+        args=_args(tmp_path / "b", CostAwareGRPOConfig, cost_aware=cost_aware),
+        train_dataset=train,
+        eval_dataset=evaluation,
+    )
+    our_train = ours.train().metrics
+    our_eval = ours.evaluate()
+    assert sorted(our_eval) == sorted(base_eval)
+    assert sorted(our_train) == sorted(base_train)
+    # The logged rows (W&B, log_history) carry the counters, on train and eval rows alike.
+    eval_rows = [row for row in ours.state.log_history if "eval_loss" in row]
+    train_rows = [row for row in ours.state.log_history if "loss" in row]
+    assert eval_rows and train_rows
+    for row in (eval_rows[-1], train_rows[-1]):
+        assert row["cost_aware/policy_tokens"] > 0 and row["cost_aware/rows_generated"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------- packed metrics
+# TRL's per-micro-batch metrics that are a global masked mean (`global_masked_mean` in `GRPOTrainer._compute_loss`):
+# a mean over the micro-batch's loss tokens, or over its rows for a per-sequence value.
+TOKEN_MEANS = ("entropy", "kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+
+
+class RecordingGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer recording, per training micro-batch, its loss tokens and the metric values TRL appended for it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.records = []
+
+    def _compute_loss(self, model, inputs):
+        metrics = self._metrics["train"]
+        before = {key: len(values) for key, values in metrics.items()}
+        loss = super()._compute_loss(model, inputs)
+        if self.model.training:
+            mask = inputs["completion_mask"]
+            mask = mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+            new = {k: v[before.get(k, 0) :] for k, v in metrics.items() if len(v) > before.get(k, 0)}
+            self.records.append((self.state.global_step, float(mask.sum()), new))
+        return loss
+
+
+def _token_means(records, key):
+    """Per optimizer step: the mean of `key` over the step's loss tokens, from GRPOTrainer's micro-batch values."""
+    steps = {}
+    for step, tokens, new in records:
+        if key in new:
+            (value,) = new[key]
+            total, weight = steps.get(step, (0.0, 0.0))
+            steps[step] = (total + tokens * value, weight + tokens)
+    return [total / weight for _, (total, weight) in sorted(steps.items())]
+
+
+def test_packed_layouts_metrics_are_means_over_the_steps_tokens(tmp_path, tiny_model_path):
+    """Every row kept (fraction 1.0), packed layout, one optimizer step of 2 micro-batches per generation batch, two
+    iterations over it (the second trains off-policy, so the clip ratios move; β > 0 logs a KL): each optimizer step
+    trains on the same rows as GRPOTrainer's, but the packed micro-batches hold them sorted by length, so their
+    per-micro-batch means differ from GRPOTrainer's. The logged entropy, KL and clip ratios are the token means over
+    each optimizer step's rows, which equal GRPOTrainer's token means over the same rows. (GRPOTrainer logs the mean
+    of its micro-batches' token means: the same value when its micro-batches hold equal tokens.)"""
+    common = dict(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=2,
+        num_iterations=2,
+        max_steps=4,
+        beta=0.1,
+        epsilon=0.02,  # small clip range: the clip ratios are non-zero on the off-policy step
+        learning_rate=0.5,
+        optim="sgd",  # linear in the gradient: float-order noise in the gradient stays noise in the weights (Adam's
+        # first step is sign-like and turns it into lr-sized moves on a few weights)
+    )
+    train = arithmetic_dataset(32, seed=0)
+    base = RecordingGRPOTrainer(
+        tiny_model_path, [length_reward], args=_args(tmp_path / "a", GRPOConfig, **common), train_dataset=train
+    )
+    base.train()
+    ours = CostAwareGRPOTrainer(
+        tiny_model_path,
+        [length_reward],
+        args=_args(
+            tmp_path / "b", CostAwareGRPOConfig, cost_aware_kept_fraction=1.0, cost_aware_layout="packed", **common
+        ),
+        train_dataset=train,
+    )
+    ours.train()
+    assert ours._layout == "packed"
+    rows = [row for row in ours.state.log_history if "entropy" in row]
+    assert len(rows) == common["max_steps"]
+    tokens = [t for _, t, _ in base.records]
+    assert len(set(tokens)) > 1, "the micro-batches must hold unequal tokens for the test to tell the means apart"
+    mismatched = {}
+    for key in TOKEN_MEANS:
+        expected = _token_means(base.records, key)
+        logged = [row[key] for row in rows]
+        assert len(expected) == len(logged), key
+        if not torch.allclose(torch.tensor(logged), torch.tensor(expected), rtol=1e-5, atol=1e-7):
+            mismatched[key] = (logged, expected)
+    assert not mismatched, f"logged vs GRPOTrainer's token means: {mismatched}"
+    assert any(v > 0 for v in _token_means(base.records, "kl"))
+    clipped = _token_means(base.records, "clip_ratio/region_mean")
+    assert any(v > 0 for v in clipped), "no clipping: the test would not check the clip ratios"
