@@ -1,0 +1,217 @@
+"""The prompt stage's math and state (`prompt_sampling.py`, `prompt_history.py`): pure, no trainer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from trl.trainer.utils import RepeatSampler
+
+from trl_costaware.prompt_history import PromptHistory, PromptSampler, PromptUpdate
+from trl_costaware.prompt_sampling import (
+    beta_binomial_pmf,
+    draw_prompts,
+    forget_and_update,
+    group_value,
+    prompt_distribution,
+    success_counts,
+    token_normaliser_factor,
+    zero_variance_probability,
+)
+
+
+def brute_pmf(a: float, b: float, n: int, grid: int = 20001) -> torch.Tensor:
+    """P(k) = ∫ C(n,k) p^k (1-p)^(n-k) Beta(p; a, b) dp by the trapezoidal rule."""
+    p = torch.linspace(1e-9, 1 - 1e-9, grid, dtype=torch.float64)
+    density = p ** (a - 1) * (1 - p) ** (b - 1)
+    density = density / torch.trapezoid(density, p)
+    return torch.stack(
+        [math.comb(n, k) * torch.trapezoid(p**k * (1 - p) ** (n - k) * density, p) for k in range(n + 1)]
+    )
+
+
+@pytest.mark.parametrize("a,b,n", [(1.0, 1.0, 4), (9.0, 1.0, 8), (2.5, 3.5, 16), (1.0, 17.0, 16)])
+def test_beta_binomial_pmf_matches_the_integral(a, b, n):
+    pmf = beta_binomial_pmf(torch.tensor([a]), torch.tensor([b]), n)[0]
+    assert torch.allclose(pmf, brute_pmf(a, b, n), atol=2e-4)
+    assert pmf.sum().item() == pytest.approx(1.0)
+
+
+def test_uniform_prior_gives_the_closed_forms():
+    n = 8
+    pmf = beta_binomial_pmf(torch.ones(1), torch.ones(1), n)
+    assert torch.allclose(pmf, torch.full((1, n + 1), 1 / (n + 1), dtype=torch.float64))
+    assert zero_variance_probability(pmf).item() == pytest.approx(2 / (n + 1))
+    x = torch.arange(n + 1, dtype=torch.float64) / n
+    assert group_value(pmf, "group").item() == pytest.approx(float((x * (1 - x)).sqrt().mean()))
+    assert group_value(pmf, "none").item() == pytest.approx(float((x * (1 - x)).mean()))
+
+
+def test_a_solved_prompt_is_worth_less_and_predicted_zero_variance():
+    # one visit of 16 successes of 16 on a uniform prior: P(all equal next time) = 17/33
+    a, b = forget_and_update(torch.ones(2), torch.ones(2), torch.tensor([16.0, 8.0]), 16, 0.5)
+    pmf = beta_binomial_pmf(a, b, 16)
+    zero = zero_variance_probability(pmf)
+    assert zero[0].item() == pytest.approx(17 / 33)
+    assert zero[1] < 0.05
+    value = group_value(pmf)
+    assert value[0] < 0.5 * value[1]
+
+
+def test_forgetting():
+    a, b = torch.tensor([11.0]), torch.tensor([1.0])  # prior (1, 1) + 10 successes
+    a1, b1 = forget_and_update(a, b, torch.tensor([0.0]), 4, 0.5)
+    assert (a1.item(), b1.item()) == (6.0, 5.0)
+    a0, b0 = forget_and_update(a, b, torch.tensor([0.0]), 4, 0.0)  # the last visit only
+    assert (a0.item(), b0.item()) == (1.0, 5.0)
+
+
+def test_success_counts_binary_and_graded():
+    r = torch.tensor([[0.0, 1.0, 1.0, 0.0], [2.0, 2.0, 2.0, 2.0], [float("nan"), 1.0, 0.5, 0.0]])
+    assert success_counts(r, 0.0, 1.0).tolist() == [2.0, 4.0, 1.5]
+    assert success_counts(r, 1.0, 1.0).tolist() == [0.0, 0.0, 0.0]
+
+
+@given(
+    st.lists(st.floats(0, 10, allow_nan=False), min_size=2, max_size=40),
+    st.floats(0.01, 1.0),
+)
+@settings(max_examples=60, deadline=None)
+def test_prompt_distribution_keeps_every_prompt_drawable(values, alpha):
+    v = torch.tensor(values, dtype=torch.float64)
+    c = torch.rand(len(values), generator=torch.Generator().manual_seed(len(values)), dtype=torch.float64) * 50 + 1
+    q = prompt_distribution(v, c, alpha)
+    assert q.sum().item() == pytest.approx(1.0)
+    assert (q >= alpha / len(values) - 1e-12).all()
+    s = v / c.sqrt()
+    if s.sum() > 0:
+        expected = (1 - alpha) * s / s.sum() + alpha / len(values)
+        assert torch.allclose(q, expected)
+
+
+def test_prompt_distribution_refuses_no_floor():
+    with pytest.raises(ValueError, match="smoothing"):
+        prompt_distribution(torch.ones(3), torch.ones(3), 0.0)
+
+
+def test_draw_weights_are_unbiased_and_the_control_is_not():
+    """E[Σ_drawn w_j g_j] = (K/P) Σ_j g_j for any q (z-score over draws); weights forced to 1 give Σ π_j g_j."""
+    gen = torch.Generator().manual_seed(0)
+    p, k, draws = 12, 4, 4000
+    g = torch.randn(p, dtype=torch.float64, generator=gen) + 2.0
+    q = prompt_distribution(torch.rand(p, generator=gen, dtype=torch.float64) ** 3, torch.ones(p), 0.1)
+    est, control, counts = [], [], torch.zeros(p, dtype=torch.float64)
+    for _ in range(draws):
+        d = draw_prompts(q, k, gen)
+        assert len(set(d.indices.tolist())) == k
+        est.append(float((d.weights * g[d.indices]).sum()))
+        control.append(float(g[d.indices].sum()))
+        counts[d.indices] += 1
+    target = k / p * float(g.sum())
+    assert torch.allclose(counts / draws, d.probabilities, atol=0.03)  # prompt j is drawn with probability π_j
+
+    def z(values):
+        v = torch.tensor(values, dtype=torch.float64)
+        return abs(float(v.mean()) - target) / float(v.std() / math.sqrt(len(v)))
+
+    assert z(est) < 4.0
+    assert z(control) > 10.0
+
+
+def test_token_normaliser_factor():
+    w = torch.tensor([2.0, 0.5])
+    t = torch.tensor([10.0, 30.0])
+    assert token_normaliser_factor(w, t) == pytest.approx(40.0 / 35.0)
+    assert token_normaliser_factor(torch.ones(2), t) == pytest.approx(1.0)
+    assert token_normaliser_factor(w, torch.zeros(2)) == 1.0
+
+
+# ---------------------------------------------------------------- the history and the sampler
+def history(size=16, g=4, lag=2, seed=0):
+    return PromptHistory(size, g, smoothing=0.1, forgetting=0.5, scale="group", seed=seed, lag=lag)
+
+
+def update_for(rec, g=4, reward=None):
+    k = len(rec.indices)
+    rewards = torch.tensor([[float((j + i) % 2) for i in range(g)] for j in rec.indices]) if reward is None else reward
+    return PromptUpdate(rec.draw, rec.indices, rewards[:k], torch.full((k,), 5.0), torch.full((k,), 3.0))
+
+
+def run_draws(h, n, k, early: bool):
+    """n draws; each batch's update is submitted right after its draw (early) or one draw later (late, as when the
+    loader has read one batch ahead): the draws must not depend on it."""
+    records, waiting = [], None
+    for t in range(n):
+        rec = h.draw(t, k)
+        records.append(rec)
+        if waiting is not None:
+            h.submit(waiting)
+        waiting = update_for(rec)
+        if early:
+            h.submit(waiting)
+            waiting = None
+    if waiting is not None:
+        h.submit(waiting)
+    return records
+
+
+def test_draws_do_not_depend_on_when_updates_arrive():
+    a = run_draws(history(), 12, 4, early=True)
+    b = run_draws(history(), 12, 4, early=False)
+    assert [r.indices for r in a] == [r.indices for r in b]
+    assert all(torch.equal(x.weights, y.weights) for x, y in zip(a, b, strict=True))
+    assert not all(torch.allclose(r.weights, torch.ones(4, dtype=torch.float64)) for r in a)  # history did act
+
+
+def test_a_missing_update_is_an_error():
+    h = history()
+    h.draw(0, 4)
+    h.draw(1, 4)
+    with pytest.raises(RuntimeError, match="dataloader_num_workers"):
+        h.draw(2, 4)
+
+
+def test_state_round_trip_reproduces_later_draws():
+    h = history()
+    run_draws(h, 6, 4, early=False)
+    copy = history()
+    copy.load_state_dict(h.state_dict())
+    for t in range(6, 10):
+        x, y = h.draw(t, 4), copy.draw(t, 4)
+        assert x.indices == y.indices and torch.equal(x.weights, y.weights)
+        h.submit(update_for(x))
+        copy.submit(update_for(y))
+    with pytest.raises(ValueError, match="same data set"):
+        history(size=17).load_state_dict(h.state_dict())
+
+
+def test_take_record_prefers_the_next_draw_then_a_regenerated_one():
+    h = history(size=4)  # K = P: every draw holds every prompt, only the order differs
+    recs = [h.draw(t, 4) for t in range(2)]
+    rows = lambda rec: [j for j in rec.indices for _ in range(4)]  # noqa: E731
+    assert h.take_record(rows(recs[0])).draw == 0
+    assert h.take_record(rows(recs[0])).draw == 0  # re-generated (resume inside a buffer)
+    assert h.take_record(rows(recs[1])).draw == 1
+    with pytest.raises(RuntimeError, match="match none"):
+        h.take_record([99] * 16)
+
+
+def test_sampler_has_repeat_samplers_layout_and_length():
+    h = history(size=10, g=2)
+    sampler = PromptSampler(h, mini_repeat_count=2, batch_size=3, repeat_count=2)
+    reference = RepeatSampler(list(range(10)), mini_repeat_count=2, batch_size=3, repeat_count=2, seed=0)
+    assert len(sampler) == len(reference) == 3 * 3 * 2 * 2
+    h.lag = 10**6  # no updates needed for this check
+    out = list(sampler)
+    assert len(out) == len(sampler)
+    for c in range(3):  # each batch: 3 distinct prompts, each twice in a row, the batch twice
+        block = out[c * 12 : (c + 1) * 12]
+        assert block[:6] == block[6:]
+        assert block[0:6:2] == block[1:6:2] and len(set(block[:6])) == 3
+    assert [r for r in h.records] == [0, 1, 2]
+    sampler.set_epoch(5)
+    list(sampler)
+    assert list(h.records)[-3:] == [15, 16, 17]  # draw numbers run on: epoch · draws per epoch + c
