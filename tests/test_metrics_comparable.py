@@ -4,12 +4,16 @@ per-micro-batch metrics are means over the step's tokens."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+from types import SimpleNamespace
+
 import pytest
 import torch
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
+from trl_costaware.packed import PackedLayout
 
 
 def length_reward(completions, **kwargs):
@@ -155,3 +159,44 @@ def test_packed_layouts_metrics_are_means_over_the_steps_tokens(tmp_path, tiny_m
     assert any(v > 0 for v in _token_means(base.records, "kl"))
     clipped = _token_means(base.records, "clip_ratio/region_mean")
     assert any(v > 0 for v in clipped), "no clipping: the test would not check the clip ratios"
+
+
+class _Window(PackedLayout):
+    """The attributes `_token_weighted_metrics` reads, on one process."""
+
+    def __init__(self, level, weights, metrics):
+        self.args = SimpleNamespace(importance_sampling_level=level)
+        self.accelerator = SimpleNamespace(device=torch.device("cpu"))
+        self._metrics = {"train": defaultdict(list, metrics)}
+        self._packed_metric_weights = list(weights)
+
+    def _sum_over_ranks(self, values, device):
+        return dict(values)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_window_means_weigh_tokens_or_rows_as_trl_counts_them(level):
+    """Two packed micro-batches of (30 tokens, 3 rows) and (10 tokens, 1 row): per-token values by tokens, per-row
+    values (phi, and the clip ratios at sequence level) by rows; the extremes and unpaired entries stay TRL's."""
+    window = _Window(
+        level,
+        [(30.0, 3.0), (10.0, 1.0)],
+        {
+            "entropy": [1.0, 2.0],
+            "clip_ratio/region_mean": [0.0, 1.0],
+            "vespo/phi_seq_mean": [1.0, 3.0],
+            "clip_ratio/high_max": [0.5, 1.0],
+            "kl": [1.0],  # not one entry per micro-batch: left as it is
+        },
+    )
+    window._token_weighted_metrics()
+    metrics = window._metrics["train"]
+    assert metrics["entropy"] == [pytest.approx(1.25)]
+    assert metrics["clip_ratio/region_mean"] == [pytest.approx(0.25)]  # 10/40 by tokens, 1/4 by rows: equal here
+    assert metrics["vespo/phi_seq_mean"] == [pytest.approx(1.5)]
+    assert metrics["clip_ratio/high_max"] == [0.5, 1.0] and metrics["kl"] == [1.0]
+    assert window._packed_metric_weights == []
+    by_rows = _Window(level, [(30.0, 1.0), (10.0, 3.0)], {"clip_ratio/region_mean": [0.0, 1.0]})
+    by_rows._token_weighted_metrics()
+    expected = 0.75 if level == "sequence" else 0.25
+    assert by_rows._metrics["train"]["clip_ratio/region_mean"] == [pytest.approx(expected)]

@@ -1,0 +1,200 @@
+"""Resume: a missing per-rank state file (another world size, several nodes without a shared filesystem) warns once and
+keeps the counters monotone; a checkpoint inside a buffer keeps the sampler's stream on the uninterrupted run's; the
+state goes through the trainer's extensible hooks (`_cost_aware_state` / `_restore_cost_aware_state`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+
+import pytest
+import torch
+
+from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware.embedded.arithmetic import arithmetic_dataset
+from trl_costaware.trainer import STATE_FILE
+
+TOTALS = ("rollout_tokens", "generated_tokens", "policy_tokens", "policy_tokens_padded", "rows_generated", "rows_kept")
+
+
+def length_reward(completions, **kwargs):
+    return [float(len(c) % 4) for c in completions]
+
+
+def position_reward(completions, **kwargs):
+    """Varies within each group whatever the completions are (greedy decoding makes a group's completions equal)."""
+    return [float(i % 3) for i in range(len(completions))]
+
+
+def _args(tmp_path, **overrides):
+    kwargs = dict(
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        report_to="none",
+        per_device_train_batch_size=8,
+        num_generations=4,
+        max_completion_length=8,
+        max_steps=4,
+        logging_steps=1,
+        save_strategy="steps",
+        save_steps=2,
+        bf16=False,
+        seed=0,
+        learning_rate=1e-3,
+    )
+    kwargs.update(overrides)
+    return CostAwareGRPOConfig(**kwargs)
+
+
+def _trainer(tmp_path, rewards=(length_reward,), **overrides):
+    return CostAwareGRPOTrainer(
+        _model_path, list(rewards), args=_args(tmp_path, **overrides), train_dataset=arithmetic_dataset(64, seed=0)
+    )
+
+
+@pytest.fixture(autouse=True)
+def _model(tiny_model_path):
+    global _model_path
+    _model_path = tiny_model_path
+
+
+def _logged(trainer, key, after: int = 0):
+    """The logged values of a counter, on the rows after step `after` (a resumed run's log_history starts with the
+    checkpoint's)."""
+    rows = trainer.state.log_history
+    return [row[f"cost_aware/{key}"] for row in rows if f"cost_aware/{key}" in row and row["step"] > after]
+
+
+def _resume_warnings(trainer, checkpoint):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train(resume_from_checkpoint=checkpoint)
+    return [str(w.message) for w in caught if STATE_FILE.format(rank=0) in str(w.message)]
+
+
+# ---------------------------------------------------------------------------------------------------- missing file
+def test_missing_state_file_warns_once_and_keeps_the_counters_monotone(tmp_path):
+    straight = _trainer(tmp_path)
+    straight.train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    os.remove(os.path.join(checkpoint, STATE_FILE.format(rank=0)))
+    with open(os.path.join(checkpoint, "trainer_state.json")) as f:
+        history = json.load(f)["log_history"]
+    at_checkpoint = {k: max(row[f"cost_aware/{k}"] for row in history if f"cost_aware/{k}" in row) for k in TOTALS}
+    assert at_checkpoint["policy_tokens"] > 0
+
+    resumed = _trainer(tmp_path / "resumed", output_dir=str(tmp_path / "out"))
+    messages = _resume_warnings(resumed, checkpoint)
+    assert len(messages) == 1, messages
+    assert "trainer_state.json" in messages[0]  # says where the counters came from
+    for key in TOTALS:
+        values = _logged(resumed, key, after=2)
+        assert values and values[0] >= at_checkpoint[key], key  # the x-axis does not run backwards
+        assert values == sorted(values), key
+        # Logged at the checkpoint's step (logging_steps=1), outside a buffer: the uninterrupted run's totals.
+        assert values[-1] == _logged(straight, key)[-1], key
+
+
+def test_missing_state_file_of_another_rank_falls_back_to_rank_0s(tmp_path, monkeypatch):
+    """A rank without its file (world size grew): rank 0's global counters and compute state, this rank's own
+    streams (not rank 0's)."""
+    trainer = _trainer(tmp_path, max_steps=2)
+    trainer.train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    saved = torch.load(os.path.join(checkpoint, STATE_FILE.format(rank=0)), weights_only=True)
+    assert saved["rank"] == 0 and saved["world_size"] == 1
+    fresh = _trainer(tmp_path / "fresh", max_steps=2)
+    stream = fresh._sampler_generator.get_state()
+    monkeypatch.setattr(type(fresh.accelerator), "process_index", property(lambda self: 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh._load_cost_aware_state(checkpoint)
+    messages = [str(w.message) for w in caught if STATE_FILE.format(rank=1) in str(w.message)]
+    assert len(messages) == 1 and STATE_FILE.format(rank=0) in messages[0]
+    assert fresh._cost_aware_totals == saved["totals"]
+    assert torch.equal(fresh._sampler_generator.get_state(), stream)
+
+
+def test_cost_aware_state_is_extensible_by_mixins(tmp_path):
+    """A mixin after the trainer class in the MRO (as the trainer's own mixin bases are) adds its entries through
+    `super()` and gets them back on restore, with the trainer's own entries."""
+
+    class Extra:
+        restored = None
+
+        def _cost_aware_state(self):
+            base = getattr(super(), "_cost_aware_state", None)
+            state = base() if base is not None else {}
+            state["extra"] = {"value": 7}
+            return state
+
+        def _restore_cost_aware_state(self, state):
+            base = getattr(super(), "_restore_cost_aware_state", None)
+            if base is not None:
+                base(state)
+            Extra.restored = state.get("extra")
+
+    class Trainer(CostAwareGRPOTrainer, Extra):  # MRO: the trainer, its bases, GRPOTrainer, ..., Extra, object
+        pass
+
+    trainer = Trainer(
+        _model_path, [length_reward], args=_args(tmp_path, max_steps=2), train_dataset=arithmetic_dataset(32, seed=0)
+    )
+    trainer.train()
+    state = trainer._cost_aware_state()
+    assert state["extra"] == {"value": 7} and "totals" in state and "generator" in state and "compute" in state
+    trainer._load_cost_aware_state(str(tmp_path / "out" / "checkpoint-2"))
+    assert Extra.restored == {"value": 7}
+
+
+# ---------------------------------------------------------------------------------------------------- mid-buffer
+def _record(trainer):
+    """Each generation batch's draw: the sampler stream's state before it, the kept rows and their factors."""
+    seen = []
+    original = trainer._draw_kept_rows
+
+    def recorded(batch):
+        before = trainer._sampler_generator.get_state()
+        indices, factors = original(batch)
+        seen.append((before, indices.clone(), factors.clone()))
+        return indices, factors
+
+    trainer._draw_kept_rows = recorded
+    return seen
+
+
+# Two optimizer steps per generation batch (S = 2, G = 1): checkpoint-3 is inside the second buffer, so TRL
+# regenerates that buffer on resume (and restarts its own step count there, so its later buffers start one step
+# later than the uninterrupted run's, on the same prompts).
+MID_BUFFER = dict(max_steps=6, save_steps=3, steps_per_generation=2, gradient_accumulation_steps=1)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["same_rollouts", "new_rollouts"])
+def test_resume_inside_a_buffer_keeps_the_samplers_stream(tmp_path, deterministic):
+    """same_rollouts: learning rate 0 and top_k=1 (greedy), so TRL's regenerated buffer holds the interrupted one's
+    rollouts: the resumed run draws exactly the uninterrupted run's rows with its weights, from the regenerated
+    buffer on. new_rollouts (a real run): TRL regenerates the buffer with the moved policy and another torch RNG
+    state, so its rollouts, hence its rows and weights, differ; what matches is the sampler's stream: each draw
+    starts from the uninterrupted run's state for that generation batch."""
+    overrides = dict(MID_BUFFER)
+    rewards = (length_reward,)
+    if deterministic:
+        overrides.update(learning_rate=0.0, top_k=1)
+        rewards = (position_reward,)
+    straight = _trainer(tmp_path / "a", rewards, **overrides)
+    straight_draws = _record(straight)
+    straight.train()
+    assert len(straight_draws) == 3
+    resumed = _trainer(tmp_path / "b", rewards, **overrides)
+    resumed_draws = _record(resumed)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-3"))
+    # The resumed run regenerates the second generation batch, then draws the third (and, with TRL's shifted
+    # schedule, would start a fourth after max_steps): compare the draws the two runs share.
+    pairs = list(zip(straight_draws[1:], resumed_draws, strict=False))
+    assert len(pairs) == 2
+    for (state_a, rows_a, factors_a), (state_b, rows_b, factors_b) in pairs:
+        if deterministic:
+            assert torch.equal(rows_a, rows_b)
+            torch.testing.assert_close(factors_a, factors_b, rtol=0, atol=0)
+        assert torch.equal(state_a, state_b)
