@@ -7,7 +7,10 @@ TRL splits each rank's generation batch of N = B · S rows (B = `per_device_trai
   dropped) and every micro-step still runs, with fewer rows.
 - "packed" (`packed_micro_steps`, the default through `cost_aware_layout="auto"`): each optimizer step's kept rows,
   sorted by length, in as few micro-batches of up to B rows as they need; the optimizer step's other micro-steps are
-  no-ops. m is a multiple of the number of optimizer steps per generation batch only (`kept_multiple`).
+  no-ops. m is a multiple of k = S / gcd(S, G) only (G = `gradient_accumulation_steps`; `kept_multiple`): the
+  number of runs of g = gcd(S, G) micro-step positions the generation batch is cut into (`optimizer_segments`), each
+  inside one optimizer step. That is the number of optimizer steps per generation batch when G divides S, and 1
+  (any m) when S divides G.
 - the full layout (`cost_aware_full_micro_batches`, `full_micro_batch_layout`): for a fixed fraction f, the config
   itself is rewritten,
 

@@ -83,9 +83,12 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
     probability ∝ |A_i|/√c_i (smoothed with the uniform distribution), multiplies each kept row's advantage by its
     importance weight (a positive per-row factor scales every TRL loss type's policy term exactly), and hands the kept
-    rows back to TRL, which splits them into micro-batches as usual. Dropped rows cost nothing after generation:
-    the old-policy and reference log-probabilities (and, with vLLM, the importance-sampling ratio) are computed for
-    kept rows only, per micro-batch, and each micro-batch is trimmed to its longest row.
+    rows back to TRL. TRL shuffles and splits them; the trainer then replaces TRL's micro-batches by its layout
+    (`self._layout`, from `cost_aware_layout`; docs/layout.md): "packed" (the default) puts each optimizer step's
+    kept rows, sorted by length, in as few micro-batches as they need and makes the step's other micro-steps no-ops;
+    "even" keeps TRL's split (m/S rows per micro-step). Dropped rows cost nothing after generation: the old-policy and
+    reference log-probabilities (and, with vLLM, the importance-sampling ratio) are computed for kept rows only, per
+    micro-batch, and each micro-batch is trimmed to its longest row.
 
     Args: those of `GRPOTrainer.__init__`, with the same defaults (tests/test_compat.py checks it); `args` must be a
     [`CostAwareGRPOConfig`] (a plain `GRPOConfig` is rejected).
@@ -525,7 +528,7 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
                 how = "restored the cost_aware/* counters from the last values logged in its trainer_state.json"
             else:
                 how = "found no logged cost_aware/* counters either: the counters restart at 0"
-            how += "; the sampler and grouping streams start afresh"
+            how += "; the random streams and the rest of the saved state (the compute rule's) start afresh"
         warnings.warn(
             f"Resuming from {checkpoint}: {path} not found (a different world size, or several nodes without a shared "
             f"filesystem?); {how}.",
