@@ -18,6 +18,7 @@ from trl_costaware.compute_budget import (
     NoiseScale,
     cheapest_kept_count,
     expected_kept_tokens,
+    gradient_terms,
     noise_terms,
     predicted_cost,
     rows_per_optimizer_step,
@@ -250,3 +251,25 @@ def test_rows_per_optimizer_step():
     assert rows_per_optimizer_step(16, steps_per_generation=4, accumulation_steps=1) == 4
     with pytest.raises(ValueError):
         rows_per_optimizer_step(16, steps_per_generation=0, accumulation_steps=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gradient_terms_read_in_slices(dtype):
+    """|G|² and G·H over tensors of any shape and dtype equal the float64 sums of their values, whatever the slice
+    size (slices that split a tensor, one element, larger than every tensor)."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7, 5), (13,), (3, 4, 2), (1,)]
+    grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    previous = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    square = sum(float(g.double().pow(2).sum()) for g in grads)
+    dot = sum(float((g.double() * h.double()).sum()) for g, h in zip(grads, previous, strict=True))
+    for size in (1, 6, 35, 1 << 24):
+        s, d = gradient_terms(grads, previous, slice_size=size)
+        assert s.dtype == d.dtype == torch.float32 and s.dim() == d.dim() == 0
+        assert float(s) == pytest.approx(square, rel=1e-6) and float(d) == pytest.approx(dot, rel=1e-5, abs=1e-6)
+    alone, none = gradient_terms(grads, slice_size=6)
+    assert none is None and float(alone) == pytest.approx(square, rel=1e-6)
+    with pytest.raises(ValueError):
+        gradient_terms(grads, previous[:-1])
+    with pytest.raises(ValueError):
+        gradient_terms(grads, [torch.zeros(2)] * len(grads))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_trainer import length_reward
 from test_trainer import make_args as trainer_args
+from transformers import TrainerCallback
 
 from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware import trainer as trainer_module
@@ -16,6 +17,7 @@ from trl_costaware.compute_budget import cheapest_kept_count
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
 from trl_costaware.sampling import capped_kept_count, gradient_proxy
+from trl_costaware.step_signals import PARAM_GRAD, ZERO0, ZERO1, gradient_source
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +39,11 @@ class Recording(CostAwareGRPOTrainer):
         super()._init_compute_signals()
         self.seen = []
 
-    def _observe_gradient(self, model):
+    def _observe_gradient(self, model, scaled=True):
         if self._observed_step != self.state.global_step:
             grads = [p.grad for p in model.parameters() if p.grad is not None]
             self.seen.append(torch.cat([g.detach().flatten().clone() for g in grads]))
-        super()._observe_gradient(model)
+        super()._observe_gradient(model, scaled=scaled)
 
 
 def train(model_path, args, cls=CostAwareGRPOTrainer):
@@ -117,16 +119,59 @@ def test_time_model_prices_steps_in_measured_seconds(model_path, tmp_path):
         assert row["cost_aware/time_fixed_s"] > 0 and row["cost_aware/time_update_s"] > 0
 
 
-def test_compute_state_survives_a_checkpoint(model_path, tmp_path):
-    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4)
+def test_compute_state_round_trip(model_path, tmp_path):
+    """`_compute_state` through torch.save / torch.load(weights_only=True) into a fresh trainer: the noise scale's
+    and the costs' averages, the step's inflation and rows, and the window of the latest generation batch (all its
+    micro-steps done here: one optimizer step per batch); not the stored gradient (the lag starts again)."""
+    args = make_args(tmp_path, cost_aware_cost_model="time", max_steps=3)
     trainer = train(model_path, args)
-    ratio = trainer._noise.ratio
-    assert ratio is not None and math.isfinite(ratio)
-    resumed = CostAwareGRPOTrainer(
+    assert trainer._window is not None and trainer._window["tokens"] > 0
+    path = tmp_path / "compute.pt"
+    torch.save(trainer._compute_state(), path)
+    fresh = CostAwareGRPOTrainer(
         model_path, reward_funcs=length_reward, args=args, train_dataset=arithmetic_dataset(64, seed=0)
     )
-    resumed._load_rng_state(str(tmp_path / "out" / "checkpoint-4"))
-    assert resumed._noise.ratio == ratio and resumed._noise.count == trainer._noise.count
+    fresh._load_compute_state(torch.load(path, weights_only=True))
+    assert fresh._noise == trainer._noise and fresh._noise.ratio == trainer._noise.ratio
+    assert (fresh._fixed_cost, fresh._token_cost) == (trainer._fixed_cost, trainer._token_cost)
+    assert fresh._window == trainer._window and fresh._window is not trainer._window
+    assert (fresh._step_inflation, fresh._step_rows) == (trainer._step_inflation, trainer._step_rows)
+    assert trainer._previous_grad is not None and fresh._previous_grad is None
+
+
+def test_compute_state_drops_a_window_inside_its_batch(model_path, tmp_path):
+    """A checkpoint inside a generation batch (2 optimizer steps per batch, stopped after the first): the window's
+    train time is partial and the resumed run generates a new batch, so the window is not saved."""
+    trainer = train(model_path, make_args(tmp_path, steps_per_generation=4, max_steps=1))
+    assert trainer._window is not None
+    assert trainer._compute_state()["window"] is None
+
+
+def test_resume_continues_the_compute_state(model_path, tmp_path):
+    """A run resumed from its step-2 checkpoint (at a generation batch's end) closes as many cost windows as the
+    uninterrupted run (the open window is restored: before, it was lost), continues the noise scale's averages, and
+    loses one pair of steps (the stored gradient is not saved: the first step after the resume has no pair)."""
+    settings = dict(cost_aware_cost_model="time", max_steps=4, save_strategy="steps", save_steps=2)
+    whole = train(model_path, make_args(tmp_path / "whole", **settings))
+    loaded = []
+
+    class Loading(CostAwareGRPOTrainer):
+        def _load_compute_state(self, state):
+            super()._load_compute_state(state)
+            loaded.append((self._window, self._noise.count, self._fixed_cost.weight))
+
+    args = make_args(tmp_path / "resumed", **settings)
+    resumed = Loading(model_path, reward_funcs=length_reward, args=args, train_dataset=arithmetic_dataset(64, seed=0))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "whole" / "out" / "checkpoint-2"))
+    assert len(loaded) == 1
+    window, count, weight = loaded[0]
+    assert window is not None and window["tokens"] > 0 and window["train"] > 0
+    assert count == 1 and weight == pytest.approx(1 - 0.9)  # 2 steps: one pair, one closed window
+    assert resumed._fixed_cost.weight == pytest.approx(whole._fixed_cost.weight)  # 3 windows closed in 4 batches
+    assert resumed._token_cost.weight == pytest.approx(whole._token_cost.weight)
+    assert resumed._noise.count == whole._noise.count - 1 == 2
+    rows = [row for row in resumed.state.log_history if row.get("step", 0) > 2 and "cost_aware/noise_grad_sq" in row]
+    assert len(rows) == 2 and "cost_aware/noise_grad_dot" not in rows[0] and "cost_aware/noise_grad_dot" in rows[1]
 
 
 def test_other_rules_read_no_gradient(model_path, tmp_path):
@@ -208,3 +253,81 @@ def test_noise_scale_is_in_rows_of_one_optimizer_step(model_path, tmp_path, step
     for row in rows:
         expected = row["cost_aware/noise_to_signal"] * args.per_device_train_batch_size * accumulation
         assert row["cost_aware/noise_scale"] == pytest.approx(expected, rel=1e-6)
+
+
+class Unscaled(TrainerCallback):
+    """Copies the gradient the optimizer is about to apply (accelerate has unscaled it by then) and the scale."""
+
+    def __init__(self, trainer):
+        self.trainer, self.grads, self.scales = trainer, [], []
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        grads = [p.grad for p in self.trainer.model.parameters() if p.grad is not None]
+        self.grads.append(torch.cat([g.detach().flatten().clone() for g in grads]))
+        self.scales.append(self.trainer.accelerator.scaler.get_scale())
+
+
+def fp16_scaled_trainer(model_path, args, monkeypatch, cls=CostAwareGRPOTrainer):
+    """A trainer under fp16's GradScaler on CPU (accelerate makes one on GPUs only): a real `torch.amp.GradScaler`
+    whose scale doubles after every finite step, set where accelerate keeps its own, so that the loss is scaled in
+    `backward`, unscaled in `clip_grad_norm_`, and the optimizer steps through it (skipping non-finite steps)."""
+    trainer = cls(model_path, reward_funcs=length_reward, args=args, train_dataset=arithmetic_dataset(64, seed=0))
+    accelerator = trainer.accelerator
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+    accelerator.native_amp = True
+    monkeypatch.setattr(type(accelerator), "mixed_precision", property(lambda self: "fp16"))
+    unscaled = Unscaled(trainer)
+    trainer.add_callback(unscaled)
+    return trainer, unscaled
+
+
+@pytest.mark.parametrize("max_grad_norm", [1e9, 0.0])
+def test_noise_scale_reads_the_unscaled_gradient_under_fp16(model_path, tmp_path, monkeypatch, max_grad_norm):
+    """Under the GradScaler the gradient read in `_clip_grad_norm` is scaled by s (s² on |G|², s·s' on the dot,
+    with s doubling every step): the estimator's terms are those of the unscaled gradient the optimizer applies, and
+    |G|² is the Trainer's own (unscaled) pre-clip norm squared. max_grad_norm 0: read after the Trainer unscaled."""
+    args = make_args(tmp_path, max_grad_norm=max_grad_norm, max_steps=4)
+    trainer, unscaled = fp16_scaled_trainer(model_path, args, monkeypatch)
+    trainer.train()
+    assert len(set(unscaled.scales)) == 4  # the scale changed at every step
+    rows = step_rows(trainer)
+    assert len(rows) == len(unscaled.grads) == 4
+    for row, grad in zip(rows, unscaled.grads, strict=True):
+        assert row["cost_aware/noise_grad_sq"] == pytest.approx(float(grad.pow(2).sum()), rel=1e-5)
+        if max_grad_norm > 0:
+            assert row["grad_norm"] ** 2 == pytest.approx(row["cost_aware/noise_grad_sq"], rel=1e-4)
+    for row, grad, previous in zip(rows[1:], unscaled.grads[1:], unscaled.grads[:-1], strict=True):
+        assert row["cost_aware/noise_grad_dot"] == pytest.approx(float(grad @ previous), rel=1e-4, abs=1e-9)
+
+
+def test_noise_scale_skips_an_overflowing_fp16_step(model_path, tmp_path, monkeypatch):
+    """A step whose scaled gradient is not finite (the scaler skips it): nothing counted, logged or stored; the next
+    step pairs with the last finite one, each divided by its own scale."""
+
+    class Overflowing(CostAwareGRPOTrainer):
+        def _observe_gradient(self, model, scaled=True):
+            if self.state.global_step == 1 and self._observed_step != 1:
+                next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = math.inf
+            super()._observe_gradient(model, scaled=scaled)
+
+    args = make_args(tmp_path, max_grad_norm=1e9, max_steps=3)
+    trainer, unscaled = fp16_scaled_trainer(model_path, args, monkeypatch, Overflowing)
+    trainer.train()
+    rows = step_rows(trainer)
+    assert len(rows) == 3 and not any(k.startswith("cost_aware/noise_grad") for k in rows[1])
+    assert unscaled.scales[1] == unscaled.scales[0] * 2 and unscaled.scales[2] == unscaled.scales[1] / 2  # backoff
+    g0, g2 = unscaled.grads[0], unscaled.grads[2]
+    assert rows[0]["cost_aware/noise_grad_sq"] == pytest.approx(float(g0.pow(2).sum()), rel=1e-5)
+    assert rows[2]["cost_aware/noise_grad_sq"] == pytest.approx(float(g2.pow(2).sum()), rel=1e-5)
+    assert rows[2]["cost_aware/noise_grad_dot"] == pytest.approx(float(g2 @ g0), rel=1e-4, abs=1e-9)
+    assert trainer._noise.count == 1
+
+
+def test_gradient_source_by_backend():
+    """Where the estimator reads: param.grad (one process, DDP), the DeepSpeed engine's step at ZeRO-0/1, nowhere at
+    ZeRO-2/3 or under FSDP (before: off under every DeepSpeed stage)."""
+    assert gradient_source(None, fsdp=False) == PARAM_GRAD
+    assert gradient_source(0, fsdp=False) == ZERO0
+    assert gradient_source(1, fsdp=False) == ZERO1
+    assert gradient_source(2, fsdp=False) is None and gradient_source(3, fsdp=False) is None
+    assert gradient_source(None, fsdp=True) is None

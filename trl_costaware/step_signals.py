@@ -1,22 +1,40 @@
 """What the "compute" rule measures in the run: the gradient noise scale and each generation batch's costs (a mixin of
 `CostAwareGRPOTrainer`; the math is in `compute_budget.py`).
 
-**Noise scale.** At each optimizer step, before clipping (`_clip_grad_norm`, or the pre-optimizer callback when
-`max_grad_norm` is 0), `_observe_gradient` reads the accumulated gradient G_t of the trainable parameters: |G_t|², and
-G_t · G_t' with the stored gradient of the latest step of an earlier generation batch; then it stores G_t (one copy of
-the gradient, reused in place). It needs no extra forward or backward. Where the gradient is readable after
-accumulation and identical on every rank (one process; DDP, whose gradients are all-reduced before the optimizer
-step) the estimate is the same on every rank. DeepSpeed and FSDP keep gradients in shards that `param.grad` does not
-hold: there the estimator is off and the rule falls back to the δ rule ("auto"), with a warning at construction.
+**Noise scale.** At each optimizer step, before clipping, `_observe_gradient` reads the accumulated gradient G_t of
+the trainable parameters: |G_t|², and G_t · G_t' with the stored gradient of the latest step of an earlier generation
+batch; then it stores G_t (one copy of the gradient in its own dtype, reused in place). It needs no extra forward or
+backward, and no float32 copy of a whole parameter (`compute_budget.gradient_terms` reads slices). Where it reads:
+
+- one process, DDP: `param.grad` in `_clip_grad_norm` (or in the pre-optimizer callback when `max_grad_norm` is 0),
+  the all-reduced gradient, identical on every rank. Under fp16's GradScaler the gradient read in `_clip_grad_norm` is
+  still scaled by the scaler's current scale s (accelerate unscales it inside its `clip_grad_norm_`), so
+  |G_t|² = |g_t|² / s_t² and G_t · G_t' = g_t · g_t' / (s_t s_t'), with g the scaled gradients (the stored copy keeps
+  its own scale); in the pre-optimizer callback the Trainer has already unscaled it (`_get_grad_norm`).
+- DeepSpeed ZeRO-0 and ZeRO-1: accelerate runs the engine's step inside `backward`, so the gradient is read there, at
+  the accumulation boundary, before the engine's step (the engine's `step` is wrapped at the start of training):
+  ZeRO-0 the all-reduced `param.grad`; ZeRO-1 this rank's partition of the averaged gradient (the ZeRO optimizer's
+  `averaged_gradients`), whose |·|² and dot product are summed over ranks (one all-reduce of two numbers). DeepSpeed's
+  fp16 loss scale is divided out as above.
+- ZeRO-2/3 and FSDP keep gradients in shards outside `param.grad`: the estimator is off and the rule falls back to the
+  δ rule ("auto"), with a warning at construction.
+
+A step whose gradient is not finite (an fp16 overflow: the scaler skips that step) is neither counted nor stored.
 
 **Costs** (`cost_aware_cost_model="time"`). A window runs from the start of one generation batch's generation to the
 start of the next. Its fixed cost is the generation and scoring (`_generate_and_score_completions`) plus every
 optimizer step in it; its update cost is the time in `training_step` less the generation inside it (forward,
 backward, the deferred old-policy and reference passes), over the kept policy tokens of the batch. Both are averaged
-over windows (`cost_aware_noise_ema`) and per rank. On CUDA each timestamp synchronises the device first (a few
-synchronisations per generation batch), so that asynchronous kernels are counted in the phase that launched them.
-Evaluation, logging and checkpoints fall outside every timed phase. Until a window has been timed the rule uses the
-token model.
+over windows (`cost_aware_noise_ema`) and per rank. On CUDA each timestamp synchronises the device first (two
+synchronisations per micro-step, around `training_step`, and two per generation batch and per optimizer step), so that
+asynchronous kernels are counted in the phase that launched them. Evaluation, logging and checkpoints fall outside
+every timed phase. Until a window has been timed the rule uses the token model.
+
+**Checkpoints** (`_compute_state`, `_load_compute_state`): the noise scale's and the costs' averages, the step's
+inflation and rows, and the window of the latest generation batch when its micro-steps are all done (it closes at the
+next generation, after the resume). The stored gradient is not saved (it is a full copy of the gradient, per rank):
+the first optimizer step after a resume has no pair, the next one pairs with it, and the averages go on from their
+saved values.
 """
 
 from __future__ import annotations
@@ -29,19 +47,38 @@ import torch
 from transformers import TrainerCallback
 
 from .budget import COMPUTE
-from .compute_budget import ComputeSignal, Ema, NoiseScale, rows_per_optimizer_step
+from .compute_budget import ComputeSignal, Ema, NoiseScale, gradient_terms, rows_per_optimizer_step
+
+# Where the estimator reads the gradient (`gradient_source`).
+PARAM_GRAD, ZERO0, ZERO1 = "param.grad", "zero0", "zero1"
+
+
+def gradient_source(deepspeed_stage: int | None, fsdp: bool) -> str | None:
+    """Where the noise scale reads the step's gradient (module docstring): `PARAM_GRAD` (one process, DDP), `ZERO0`
+    / `ZERO1` (DeepSpeed ZeRO-0/1, at the engine's step), None where it cannot (ZeRO-2/3, FSDP: sharded outside
+    `param.grad`). `deepspeed_stage` None: DeepSpeed is off."""
+    if fsdp:
+        return None
+    if deepspeed_stage is None:
+        return PARAM_GRAD
+    return {0: ZERO0, 1: ZERO1}.get(int(deepspeed_stage))
 
 
 class _OptimizerTimer(TrainerCallback):
-    """Times each optimizer step (fixed cost), and reads the gradient there when `_clip_grad_norm` does not run."""
+    """Times each optimizer step (fixed cost), and reads the gradient there when `_clip_grad_norm` does not run (the
+    Trainer's `_get_grad_norm` has unscaled it by then); under DeepSpeed ZeRO-0/1, wraps the engine's step at the
+    start of training to read the gradient there."""
 
     def __init__(self, trainer):
         self.trainer, self.start = trainer, None
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer._attach_engine_reader()
+
     def on_pre_optimizer_step(self, args, state, control, **kwargs):
         t = self.trainer
         if not args.max_grad_norm or args.max_grad_norm <= 0:
-            t._observe_gradient(t.model_wrapped)
+            t._observe_gradient(t.model_wrapped, scaled=False)
         self.start = t._clock()
 
     def on_optimizer_step(self, args, state, control, **kwargs):
@@ -60,8 +97,12 @@ class ComputeSignals:
         decay = args.cost_aware_noise_ema
         self._noise = NoiseScale(decay)
         self._fixed_cost, self._token_cost = Ema(decay), Ema(decay)
-        self._noise_available = not (self.is_deepspeed_enabled or self.is_fsdp_enabled)
-        self._previous_grad, self._previous_generation = None, None
+        stage = None
+        if self.is_deepspeed_enabled:
+            stage = int(getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", 0) or 0)
+        self._gradient_source = gradient_source(stage, self.is_fsdp_enabled)
+        self._noise_available = self._gradient_source is not None
+        self._previous_grad, self._previous_generation, self._previous_scale = None, None, 1.0
         self._generation_index = 0
         self._observed_step = -1
         self._window = None
@@ -71,9 +112,10 @@ class ComputeSignals:
         self.add_callback(_OptimizerTimer(self))
         if not self._noise_available:
             warnings.warn(
-                "cost_aware_kept_fraction='compute' cannot read the gradient under DeepSpeed or FSDP (it is sharded "
-                "outside param.grad), so the gradient noise scale is not measured: every generation batch uses the "
-                f"'auto' rule (variance inflation at most cost_aware_budget_delta={args.cost_aware_budget_delta}).",
+                "cost_aware_kept_fraction='compute' cannot read the gradient under DeepSpeed ZeRO-2/3 or FSDP (it "
+                "is sharded outside param.grad), so the gradient noise scale is not measured: every generation batch "
+                f"uses the 'auto' rule (variance inflation at most "
+                f"cost_aware_budget_delta={args.cost_aware_budget_delta}).",
                 UserWarning,
                 stacklevel=3,
             )
@@ -153,47 +195,134 @@ class ComputeSignals:
         )
 
     # ------------------------------------------------------------------ gradient noise scale
-    def _observe_gradient(self, model):
-        """One optimizer step's |G_t|² and G_t · G_t' (module docstring); updates the noise scale and logs it."""
-        if not (self._compute_rule and self._noise_available and self.model.training):
+    def _grad_scaler_scale(self) -> float:
+        """The current scale of accelerate's GradScaler (fp16 mixed precision), 1.0 without one."""
+        scaler = getattr(self.accelerator, "scaler", None)
+        if scaler is None or not scaler.is_enabled():
+            return 1.0
+        return float(scaler.get_scale())
+
+    def _observe_gradient(self, model, scaled: bool = True):
+        """One optimizer step's |G_t|² and G_t · G_t' from `param.grad` (module docstring); updates the noise scale
+        and logs it. `scaled`: the gradient may still carry the GradScaler's scale (the call in `_clip_grad_norm`,
+        before accelerate unscales); False where it was unscaled already. Under DeepSpeed the engine's step reads
+        (`_attach_engine_reader`) and this does nothing."""
+        if not (self._compute_rule and self._gradient_source == PARAM_GRAD and self.model.training):
             return
         if self._observed_step == self.state.global_step:
             return
-        self._observed_step = self.state.global_step
         grads = [p.grad for p in model.parameters() if p.grad is not None]
         if not grads:
             return
-        square = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
-        paired = self._previous_grad is not None and self._previous_generation != self._generation_index
+        self._observed_step = self.state.global_step
+        self._record_gradient(grads, self._grad_scaler_scale() if scaled else 1.0)
+
+    def _attach_engine_reader(self):
+        """DeepSpeed ZeRO-0/1 (`gradient_source`): wraps the engine's `step` so that, at each accumulation boundary,
+        the gradient is read before the engine steps and clears it (accelerate calls the step inside `backward`)."""
+        if not (self._compute_rule and self._gradient_source in (ZERO0, ZERO1)):
+            return
+        engine = self.model_wrapped
+        if getattr(engine, "_cost_aware_reader", False) or not hasattr(engine, "step"):
+            return
+        step = engine.step
+
+        def read_then_step(*args, **kwargs):
+            if engine.is_gradient_accumulation_boundary():
+                self._observe_engine_gradient(engine)
+            return step(*args, **kwargs)
+
+        engine.step = read_then_step
+        engine._cost_aware_reader = True
+
+    def _observe_engine_gradient(self, engine):
+        """The step's gradient under DeepSpeed (module docstring): ZeRO-0 `param.grad`, ZeRO-1 this rank's partition
+        of the averaged gradient (summed over ranks); DeepSpeed's fp16 loss scale divided out. Where the gradient is
+        not there (a DeepSpeed path that keeps it elsewhere, e.g. offload), warns once and falls back to the δ rule
+        on every rank alike."""
+        if not (self._noise_available and self.model.training) or self._observed_step == self.state.global_step:
+            return
+        self._observed_step = self.state.global_step
+        optimizer = engine.optimizer
+        if self._gradient_source == ZERO0:
+            grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+        else:
+            partitions = getattr(optimizer, "averaged_gradients", None) or {}
+            grads = [g for key in sorted(partitions) for g in (partitions[key] or []) if g is not None]
+        if not grads:
+            self._noise_available = False
+            warnings.warn(
+                f"cost_aware_kept_fraction='compute': no gradient readable at the DeepSpeed engine's step "
+                f"({self._gradient_source}, {type(optimizer).__name__}); the gradient noise scale is not measured and "
+                "every later generation batch uses the 'auto' rule.",
+                UserWarning,
+                stacklevel=2,
+            )
+            return
+        scale = 1.0
+        if engine.fp16_enabled():
+            scale = float(getattr(optimizer, "loss_scale", None) or 1.0)
+        group = getattr(optimizer, "dp_process_group", None) if self._gradient_source == ZERO1 else None
+        self._record_gradient(grads, scale, reduce_group=group if self._gradient_source == ZERO1 else False)
+
+    def _record_gradient(self, grads, scale: float, reduce_group=False):
+        """|G_t|² and G_t · G_t' of the gradient tensors `grads` (scaled by `scale`; the stored copy carries its own),
+        summed over ranks when `reduce_group` is not False (a process group, None: the default one), then the
+        stored copy, the noise scale and the metrics. A non-finite |G_t|² (an overflowing fp16 step, which the scaler
+        skips) changes nothing."""
+        previous = self._previous_grad
+        paired = (
+            previous is not None
+            and self._previous_generation != self._generation_index
+            and len(previous) == len(grads)
+            and all(h.shape == g.shape for g, h in zip(grads, previous, strict=True))
+        )
+        square, dot = gradient_terms(grads, previous if paired else None)
+        terms = torch.stack([square, dot if paired else torch.zeros_like(square)])
+        if reduce_group is not False:
+            torch.distributed.all_reduce(terms, group=reduce_group)
+        raw_square, raw_dot = terms.cpu().tolist()
+        grad_sq = raw_square / scale**2
+        if not math.isfinite(grad_sq):
+            return
+        grad_dot = raw_dot / (scale * self._previous_scale) if paired else math.nan
         if paired:
-            dot = torch.stack([(g.float() * h.float()).sum() for g, h in zip(grads, self._previous_grad, strict=True)])
-            values = torch.stack([square, dot.sum()]).cpu().tolist()
+            torch._foreach_copy_(previous, [g.detach() for g in grads])
         else:
-            values = [float(square), math.nan]
-        if self._previous_grad is None:
             self._previous_grad = [g.detach().clone() for g in grads]
-        else:
-            torch._foreach_copy_(self._previous_grad, [g.detach() for g in grads])
-        self._previous_generation = self._generation_index
+        self._previous_generation, self._previous_scale = self._generation_index, scale
         metrics = self._metrics["train"]
-        metrics["cost_aware/noise_grad_sq"].append(values[0])
+        metrics["cost_aware/noise_grad_sq"].append(grad_sq)
         if not paired:
             return
-        self._noise.update(values[0], values[1], self._step_inflation)
-        metrics["cost_aware/noise_grad_dot"].append(values[1])
+        self._noise.update(grad_sq, grad_dot, self._step_inflation)
+        metrics["cost_aware/noise_grad_dot"].append(grad_dot)
         ratio = self._noise.ratio
         if ratio is not None and math.isfinite(ratio):
             metrics["cost_aware/noise_to_signal"].append(ratio)
             metrics["cost_aware/noise_scale"].append(ratio * self._step_rows)
 
     def _compute_state(self) -> dict:
+        """What a checkpoint keeps (module docstring): not the stored gradient; the window only when its generation
+        batch's micro-steps are all done (`_step` a multiple of steps_per_generation × num_iterations), since a
+        resume from inside a batch starts a new generation and the window's train time would be partial."""
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        complete = self._window is not None and getattr(self, "_step", 0) % generate_every == 0
         return {
             "noise": self._noise.state_dict(),
             "fixed_cost": [self._fixed_cost.total, self._fixed_cost.weight],
             "token_cost": [self._token_cost.total, self._token_cost.weight],
+            "window": dict(self._window) if complete else None,
+            "step": [self._step_inflation, self._step_rows],
         }
 
     def _load_compute_state(self, state: dict):
         self._noise.load_state_dict(state["noise"])
         self._fixed_cost.total, self._fixed_cost.weight = state["fixed_cost"]
         self._token_cost.total, self._token_cost.weight = state["token_cost"]
+        window = state.get("window")
+        self._window = dict(window) if window is not None else None
+        if "step" in state:
+            self._step_inflation, self._step_rows = (float(v) for v in state["step"])
+        # The stored gradient is not in the checkpoint: the next step starts the lag again (module docstring).
+        self._previous_grad, self._previous_generation, self._previous_scale = None, None, 1.0
