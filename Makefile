@@ -95,7 +95,7 @@ BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime bench-noise \
-	bench-batch-shapes bench-profile profile
+	bench-batch-shapes bench-profile profile bench-prompt
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -125,6 +125,15 @@ bench-token-efficiency: $(STAMP)
 REGIME_ARGS ?=
 bench-regime: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py $(if $(QUICK),--smoke,) $(REGIME_ARGS)
+
+# Does choosing prompts before generation (the prompt stage, issue 34) make a multi-epoch run cheaper than GRPO, today's
+# default and a GRESO-style skip? (BENCHMARKS.md §9) The regime matrix's multi-epoch cells (a fixed pool revisited >= 10
+# times, chosen by GRPO's zero-variance token share), the arms below, 3 seeds; then targets at 50/80/95% of GRPO's gain.
+PROMPT_ARMS ?= grpo,both,greso,prompt,cost_aware_0.5,both_half
+bench-prompt: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py --cells long_epochs,default_epochs --arms $(PROMPT_ARMS) \
+		--seeds 3 --out outputs/bench/prompt_matrix --tag prompt_matrix_runs
+	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_analysis.py --root outputs/bench/prompt_matrix
 
 # The "compute" rule's premises (BENCHMARKS.md §8): the gradient noise scale at each regime-matrix cell's start (lr 0)
 # against the steps' measured response to halving the batch (needs the matrix's runs), and the noise a row sample

@@ -97,6 +97,11 @@ class PromptStage:
 
     def _group_rewards(self) -> torch.Tensor:
         """The generation batch's rewards (every rank's rows) as TRL sums them, (groups, G), on the host."""
+        if self._prompt_rewards is None:
+            raise RuntimeError(
+                "cost_aware_prompt_sampling: TRL's _calculate_rewards was not called for this generation batch, so "
+                "the prompt history has no rewards to learn from (a custom rollout path?)."
+            )
         weights = self.reward_weights.to(self._prompt_rewards.device).unsqueeze(0)
         return (self._prompt_rewards * weights).nansum(dim=1).float().cpu().view(-1, self.num_generations)
 
@@ -106,7 +111,7 @@ class PromptStage:
         self._prompt_rewards = None
         if self._prompt_history is None:
             batch = super()._generate_and_score_completions(inputs)
-            if self._prompt_rewards is not None:
+            if self._prompt_rewards is not None:  # (a rollout path without TRL's rewards logs nothing here)
                 self._log_zero_variance_share(batch)
             return batch
         local = [int(x[INDEX_COLUMN]) for x in inputs]
