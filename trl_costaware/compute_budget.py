@@ -107,21 +107,22 @@ GRADIENT_SLICE = 1 << 24
 
 
 def gradient_terms(
-    grads: list[torch.Tensor], previous: list[torch.Tensor] | None = None, slice_size: int = GRADIENT_SLICE
+    grads: list[torch.Tensor], previous: list[torch.Tensor] | None = None, slice_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(|G|², G · H) of a gradient held as tensors G = `grads` (and H = `previous`, the same shapes, any dtypes):
 
         |G|² = Σ_p Σ_j g_pj²,      G · H = Σ_p Σ_j g_pj h_pj      (None without `previous`),
 
     as float32 0-d tensors on the first gradient's device, with no device→host transfer. Every tensor is read
-    flattened in slices of `slice_size` elements, each slice cast to float32 on its own and summed by torch's
-    reduction (cascade summation on CPU: `vector_norm` and `dot` there lose up to 1e-3 relative on 2^24 elements), the
-    slices' sums added in float32. So the float32 temporaries are at most three slices (the dot product of two
-    low-precision slices: both casts and their product), never a float32 copy of a whole parameter."""
+    flattened in slices of `slice_size` elements (`GRADIENT_SLICE` by default), each slice cast to float32 on its own
+    and summed by torch's reduction (cascade summation on CPU: `vector_norm` and `dot` there lose up to 1e-3 relative
+    on 2^24 elements), the slices' sums added in float32. So the float32 temporaries are at most three slices (the dot
+    product of two low-precision slices: both casts and their product), never a float32 copy of a whole parameter."""
     if not grads:
         raise ValueError("no gradient to read")
     if previous is not None and len(previous) != len(grads):
         raise ValueError(f"{len(grads)} gradient tensors but {len(previous)} previous ones")
+    slice_size = slice_size or GRADIENT_SLICE
     device = grads[0].device
     squares, dots = [], []
     for i, g in enumerate(grads):
