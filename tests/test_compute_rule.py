@@ -4,6 +4,8 @@ reads, what the plan decides from it, the measured costs, the config's refusals.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ from trl_costaware.compute_budget import cheapest_kept_count
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
 from trl_costaware.sampling import capped_kept_count, gradient_proxy
-from trl_costaware.step_signals import PARAM_GRAD, ZERO0, ZERO1, gradient_source
+from trl_costaware.step_signals import PARAM_GRAD, ZERO0, ZERO1, ComputeSignals, gradient_source
 
 
 @pytest.fixture(scope="module")
@@ -331,3 +333,104 @@ def test_gradient_source_by_backend():
     assert gradient_source(1, fsdp=False) == ZERO1
     assert gradient_source(2, fsdp=False) is None and gradient_source(3, fsdp=False) is None
     assert gradient_source(None, fsdp=True) is None
+
+
+def bare_host(source):
+    """The estimator alone (no trainer) on a `ComputeSignals` host, reading from `source`."""
+
+    class Host(ComputeSignals):
+        pass
+
+    host = Host()
+    host.args = SimpleNamespace(
+        cost_aware=True,
+        cost_aware_kept_fraction="compute",
+        cost_aware_noise_ema=0.9,
+        cost_aware_budget_delta=0.1,
+        cost_aware_noise_scale_factor=1.0,
+        cost_aware_cost_model="tokens",
+        cost_aware_generation_token_cost=1.2,
+    )
+    host.is_deepspeed_enabled = host.is_fsdp_enabled = False
+    host.accelerator = SimpleNamespace(scaler=None)
+    host.add_callback = lambda callback: None
+    host._metrics = {"train": defaultdict(list)}
+    host.state = SimpleNamespace(global_step=0)
+    host.model = torch.nn.Linear(1, 1)
+    host.num_iterations = 1
+    host._init_compute_signals()
+    host._gradient_source = source
+    return host
+
+
+class Engine:
+    """What the reader uses of a DeepSpeed engine: its module, optimizer, fp16 flag, device and step."""
+
+    def __init__(self, module, optimizer, fp16=False):
+        self.module, self.optimizer, self.fp16, self.device, self.steps = module, optimizer, fp16, "cpu", 0
+
+    def fp16_enabled(self):
+        return self.fp16
+
+    def is_gradient_accumulation_boundary(self):
+        return True
+
+    def step(self):
+        self.steps += 1
+
+
+def test_engine_reader_divides_deepspeeds_fp16_loss_scale():
+    """ZeRO-0 under DeepSpeed's fp16: the gradient at the engine's step carries the optimizer's loss scale (1024,
+    then 2048): the terms are those of the unscaled gradient; the engine then steps."""
+    host = bare_host(ZERO0)
+    module = torch.nn.Linear(3, 2)
+    optimizer = SimpleNamespace(loss_scale=1024.0)
+    engine = Engine(module, optimizer, fp16=True)
+    host.model_wrapped = engine
+    host._attach_engine_reader()
+    true = [torch.randn(2, 3), torch.randn(2)], [torch.randn(2, 3), torch.randn(2)]
+    for step, (grads, scale) in enumerate(zip(true, (1024.0, 2048.0), strict=True)):
+        host.state.global_step, host._generation_index, optimizer.loss_scale = step, step, scale
+        for p, g in zip(module.parameters(), grads, strict=True):
+            p.grad = g * scale
+        engine.step()
+    assert engine.steps == 2
+    metrics = host._metrics["train"]
+    squares = [sum(float(g.pow(2).sum()) for g in grads) for grads in true]
+    assert metrics["cost_aware/noise_grad_sq"] == pytest.approx(squares, rel=1e-5)
+    dot = sum(float((a * b).sum()) for a, b in zip(*true, strict=True))
+    assert metrics["cost_aware/noise_grad_dot"] == pytest.approx([dot], rel=1e-5)
+
+
+def test_engine_reader_falls_back_where_deepspeed_keeps_the_gradient_elsewhere():
+    """ZeRO-1 whose optimizer has no `averaged_gradients` (e.g. with offload): one warning, then the 'auto' rule
+    (the signal says the estimator is unavailable); the engine still steps."""
+    host = bare_host(ZERO1)
+    engine = Engine(torch.nn.Linear(1, 1), SimpleNamespace())
+    host.model_wrapped = engine
+    host._attach_engine_reader()
+    with pytest.warns(UserWarning, match="no gradient readable"):
+        engine.step()
+    assert engine.steps == 1 and not host._noise_available
+    signal = host._compute_signal()
+    assert not signal.available and signal.rho is None
+
+
+def test_zero1_terms_are_summed_over_ranks(monkeypatch):
+    """ZeRO-1: each rank's partition terms are all-reduced (here a rank with an empty partition, the other rank's
+    terms given); a step is paired only where every rank pairs it (the flag summed to the world size)."""
+    host = bare_host(ZERO1)
+    other = [torch.tensor([5.0, 0.0, 0.0]), torch.tensor([7.0, 3.0, 1.0]), torch.tensor([9.0, 4.0, 0.0])]
+
+    def all_reduce(t, group=None):
+        t += other.pop(0)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    for step in range(3):
+        host.state.global_step, host._generation_index = step, step
+        host._record_gradient([], 1.0, reduce_group=None, device="cpu")
+    metrics = host._metrics["train"]
+    assert metrics["cost_aware/noise_grad_sq"] == [5.0, 7.0, 9.0]
+    assert metrics["cost_aware/noise_grad_dot"] == [3.0]  # step 2: the other rank did not pair
+    assert host._noise.count == 1

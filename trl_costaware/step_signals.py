@@ -237,19 +237,23 @@ class ComputeSignals:
 
     def _observe_engine_gradient(self, engine):
         """The step's gradient under DeepSpeed (module docstring): ZeRO-0 `param.grad`, ZeRO-1 this rank's partition
-        of the averaged gradient (summed over ranks); DeepSpeed's fp16 loss scale divided out. Where the gradient is
-        not there (a DeepSpeed path that keeps it elsewhere, e.g. offload), warns once and falls back to the δ rule
-        on every rank alike."""
+        of the averaged gradient (summed over ranks; a rank whose partition is empty adds 0); DeepSpeed's fp16 loss
+        scale divided out. Where DeepSpeed keeps the gradient elsewhere (e.g. ZeRO-1 with offload: no
+        `averaged_gradients`; the same on every rank), warns once and falls back to the δ rule."""
         if not (self._noise_available and self.model.training) or self._observed_step == self.state.global_step:
             return
         self._observed_step = self.state.global_step
         optimizer = engine.optimizer
         if self._gradient_source == ZERO0:
             grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+            readable = bool(grads)
         else:
-            partitions = getattr(optimizer, "averaged_gradients", None) or {}
-            grads = [g for key in sorted(partitions) for g in (partitions[key] or []) if g is not None]
-        if not grads:
+            partitions = getattr(optimizer, "averaged_gradients", None)
+            readable = isinstance(partitions, dict) and bool(partitions)
+            grads = (
+                [g for key in sorted(partitions) for g in (partitions[key] or []) if g is not None] if readable else []
+            )
+        if not readable:
             self._noise_available = False
             warnings.warn(
                 f"cost_aware_kept_fraction='compute': no gradient readable at the DeepSpeed engine's step "
@@ -262,12 +266,16 @@ class ComputeSignals:
         scale = 1.0
         if engine.fp16_enabled():
             scale = float(getattr(optimizer, "loss_scale", None) or 1.0)
-        group = getattr(optimizer, "dp_process_group", None) if self._gradient_source == ZERO1 else None
-        self._record_gradient(grads, scale, reduce_group=group if self._gradient_source == ZERO1 else False)
+        if self._gradient_source == ZERO0:
+            self._record_gradient(grads, scale)
+        else:
+            group = getattr(optimizer, "dp_process_group", None)
+            self._record_gradient(grads, scale, reduce_group=group, device=engine.device)
 
-    def _record_gradient(self, grads, scale: float, reduce_group=False):
+    def _record_gradient(self, grads, scale: float, reduce_group=False, device=None):
         """|G_t|² and G_t · G_t' of the gradient tensors `grads` (scaled by `scale`; the stored copy carries its own),
-        summed over ranks when `reduce_group` is not False (a process group, None: the default one), then the
+        summed over the ranks of `reduce_group` unless it is False (None: the default group; `grads` may then be empty
+        on a rank, whose terms are 0 on `device`, and the step is paired only where every rank pairs it), then the
         stored copy, the noise scale and the metrics. A non-finite |G_t|² (an overflowing fp16 step, which the scaler
         skips) changes nothing."""
         previous = self._previous_grad
@@ -277,17 +285,25 @@ class ComputeSignals:
             and len(previous) == len(grads)
             and all(h.shape == g.shape for g, h in zip(grads, previous, strict=True))
         )
-        square, dot = gradient_terms(grads, previous if paired else None)
-        terms = torch.stack([square, dot if paired else torch.zeros_like(square)])
+        if grads:
+            square, dot = gradient_terms(grads, previous if paired else None)
+        else:
+            square, dot = torch.zeros((), dtype=torch.float32, device=device), None
+        zero = torch.zeros_like(square)
+        terms = torch.stack([square, dot if dot is not None else zero, zero + float(paired)])
+        ranks = 1
         if reduce_group is not False:
             torch.distributed.all_reduce(terms, group=reduce_group)
-        raw_square, raw_dot = terms.cpu().tolist()
+            ranks = torch.distributed.get_world_size(reduce_group)
+        raw_square, raw_dot, pairs = terms.cpu().tolist()
+        paired = paired and pairs == ranks
         grad_sq = raw_square / scale**2
         if not math.isfinite(grad_sq):
             return
         grad_dot = raw_dot / (scale * self._previous_scale) if paired else math.nan
         if paired:
-            torch._foreach_copy_(previous, [g.detach() for g in grads])
+            if grads:
+                torch._foreach_copy_(previous, [g.detach() for g in grads])
         else:
             self._previous_grad = [g.detach().clone() for g in grads]
         self._previous_generation, self._previous_scale = self._generation_index, scale
