@@ -14,8 +14,8 @@ backward, and no float32 copy of a whole parameter (`compute_budget.gradient_ter
 - DeepSpeed ZeRO-0 and ZeRO-1: accelerate runs the engine's step inside `backward`, so the gradient is read there, at
   the accumulation boundary, before the engine's step (the engine's `step` is wrapped at the start of training):
   ZeRO-0 the all-reduced `param.grad`; ZeRO-1 this rank's partition of the averaged gradient (the ZeRO optimizer's
-  `averaged_gradients`), whose |·|² and dot product are summed over ranks (one all-reduce of two numbers). DeepSpeed's
-  fp16 loss scale is divided out as above.
+  `averaged_gradients`), whose |·|² and dot product are summed over ranks (one all-reduce of three numbers, with a
+  flag that pairs a step only where every rank pairs it). DeepSpeed's fp16 loss scale is divided out as above.
 - ZeRO-2/3 and FSDP keep gradients in shards outside `param.grad`: the estimator is off and the rule falls back to the
   δ rule ("auto"), with a warning at construction.
 
@@ -25,7 +25,8 @@ A step whose gradient is not finite (an fp16 overflow: the scaler skips that ste
 start of the next. Its fixed cost is the generation and scoring (`_generate_and_score_completions`) plus every
 optimizer step in it; its update cost is the time in `training_step` less the generation inside it (forward,
 backward, the deferred old-policy and reference passes), over the kept policy tokens of the batch. Both are averaged
-over windows (`cost_aware_noise_ema`) and per rank. On CUDA each timestamp synchronises the device first (two
+over windows (`cost_aware_noise_ema`) and per rank. (Under DeepSpeed the engine's optimizer step runs inside
+`backward`, so its time counts in the update cost.) On CUDA each timestamp synchronises the device first (two
 synchronisations per micro-step, around `training_step`, and two per generation batch and per optimizer step), so that
 asynchronous kernels are counted in the phase that launched them. Evaluation, logging and checkpoints fall outside
 every timed phase. Until a window has been timed the rule uses the token model.
