@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
 from regime_analysis import SPLIT_NAMES, _end, _end_within, _reach, _with_compute  # noqa: E402
-from regime_matrix import grpo_split_weights, load_cell_runs  # noqa: E402
+from regime_matrix import grpo_split_weights, load_cell_runs, read_metrics  # noqa: E402
 from token_efficiency import bootstrap_ci  # noqa: E402
 
 FRACTIONS = (0.5, 0.8, 0.95)
@@ -88,6 +88,7 @@ def analyse(cell_root: str) -> dict:
                 row[f"end_equal_compute_{k}"] = _end_within(c, f"compute_{k}", limit)
             zs = by_seed[s].get("zero_variance_shares") or []
             row["zero_variance_share"] = float(np.mean(zs)) if zs else None
+            row.update(prediction_quality(os.path.join(cell_root, f"{arm}__s{s}")))
             for f, t in targets.items():
                 hit, g_hit = _reach(c, t, keys), _reach(g, t, keys)
                 row[f"reached_{f}"] = hit is not None
@@ -97,7 +98,8 @@ def analyse(cell_root: str) -> dict:
                             row[f"ratio_{k}_{f}"] = hit[k] / g_hit[k]
             rows.append(row)
         a = {"n": len(rows), "per_seed": rows}
-        a["zero_variance_share"] = bootstrap_ci([r["zero_variance_share"] for r in rows])
+        for k in ("zero_variance_share", *PREDICTION_KEYS):
+            a[k] = bootstrap_ci([r.get(k) for r in rows])
         for f in FRACTIONS:
             a[f"reached_{f}"] = sum(r[f"reached_{f}"] for r in rows)
             for k in keys:
@@ -110,6 +112,29 @@ def analyse(cell_root: str) -> dict:
     out["both_vs_greso"] = _paired(runs, "both", "greso", targets, out["arms"])
     out["goals"] = _goals(out)
     return out
+
+
+PREDICTION_KEYS = ("predicted_zero_variance", "observed_zero_variance", "brier", "brier_base_rate")
+
+
+def prediction_quality(run_dir: str) -> dict:
+    """Over the last quarter of a prompt-stage run's steps: the mean predicted P(zero variance) of the drawn prompts,
+    the observed share of zero-variance groups, the history's Brier score, and the Brier score of the constant
+    predictor at the observed share (a history that predicts no better than the base rate gives the prompt stage
+    nothing to choose by). Empty for runs without the prompt stage."""
+    rows = [r for r in read_metrics(run_dir) if "cost_aware/prompt_zero_variance_brier" in r]
+    rows = rows[-max(1, len(rows) // 4) :]
+    if not rows:
+        return {}
+    observed = np.array([r["cost_aware/prompt_zero_variance_groups"] for r in rows])
+    base = float(observed.mean())
+    return {
+        "predicted_zero_variance": float(np.mean([r["cost_aware/prompt_predicted_zero_variance"] for r in rows])),
+        "observed_zero_variance": base,
+        "brier": float(np.mean([r["cost_aware/prompt_zero_variance_brier"] for r in rows])),
+        # per batch: E[(c − z)²] over its groups = f(1 − f) + (f − c)², f the batch's observed share, c = base
+        "brier_base_rate": float(np.mean(observed * (1 - observed) + (observed - base) ** 2)),
+    }
 
 
 def _paired(runs, arm, other, targets, arms) -> dict:
@@ -189,6 +214,19 @@ def markdown(cells: dict, command: str) -> str:
                 + " | ".join(_fmt(a[f"end_equal_compute_{k}_minus_grpo"], 3, True) for k in SPLIT_NAMES)
                 + f" | {_fmt(a['zero_variance_share'])} |"
             )
+        staged = [a for a in arms if res["arms"][a].get("brier", (None,))[0] is not None]
+        if staged:
+            lines += [
+                "",
+                "How well the history predicts zero-variance groups (last quarter of each run; Brier of the constant "
+                "predictor at the observed share for comparison):",
+                "",
+                "| arm | predicted P(zero variance) | observed | Brier | Brier, base rate |",
+                "|---|---|---|---|---|",
+            ]
+            for arm in staged:
+                a = res["arms"][arm]
+                lines.append(f"| {arm} | " + " | ".join(_fmt(a[k]) for k in PREDICTION_KEYS) + " |")
         if res["both_vs_greso"]:
             lines += ["", "Both stages / GRESO-style skip, compute to target (paired per seed):", ""]
             lines += ["| target | CPU-like | gen 55% | gen 77% |", "|---|---|---|---|"]
