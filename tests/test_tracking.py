@@ -197,6 +197,17 @@ def test_wandb_run_gets_token_axis(wandb_run):
     assert defined["*"] == "train/global_step"
 
 
+def test_resolved_layout_is_recorded(wandb_run):
+    """The config records the user's `cost_aware_layout` ("auto") and, beside it, the layout that runs."""
+    layout = wandb_run.trainer._layout
+    assert wandb_run.trainer.args.cost_aware_layout == "auto" and layout in ("packed", "even")
+    assert wandb_run.run["config"]["cost_aware_layout"] == "auto"
+    assert wandb_run.run["config"]["cost_aware_layout_resolved"] == layout
+    info = json.loads((wandb_run.out / RUN_FILE).read_text())
+    assert info["config"]["cost_aware_layout"] == "auto"
+    assert info["config"]["cost_aware_layout_resolved"] == layout
+
+
 # ---------------------------------------------------------------------------------------------------- units
 def test_validate_report_to_missing_wandb(monkeypatch, tmp_path):
     args = types.SimpleNamespace(report_to=["wandb"])

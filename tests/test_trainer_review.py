@@ -59,7 +59,8 @@ def dataset():
 @pytest.mark.slow
 def test_resume_with_ignore_data_skip_restores_the_sampler(tmp_path, model_path, dataset):
     """`ignore_data_skip=True` restarts the data, not the sampler: its generators and counters come back from the
-    checkpoint (they were restored in `_load_rng_state` only, which HF's Trainer may skip)."""
+    checkpoint: `_load_cost_aware_state`, called from `_load_optimizer_and_scheduler`, restores them on every resume
+    (they were once restored in `_load_rng_state` only, which HF's Trainer may skip)."""
     common = dict(max_steps=4, save_strategy="steps", save_steps=2, steps_per_generation=2)
     first = CostAwareGRPOTrainer(
         model_path, [length_reward], args=make_args(tmp_path, **common), train_dataset=dataset
@@ -206,24 +207,16 @@ def test_vllm_metrics_are_defined_as_trls_over_ranks(empty_rank):
         rank1 = [_chunk([[-1.0, -1.0]], [[-2.0, -2.0]], [[0, 0]], [[2.0, 2.0]])]
     else:
         rank1 = [_chunk([[-1.0, -1.0]], [[-2.0, -2.0]], [[1, 0]], [[2.5, 1.0]])]
-    other = _host(None)
-    stats = torch.stack([other._vllm_ratio_stats(c) for c in rank1]).double()
-    other_row = torch.cat(
-        [
-            torch.stack(
-                [
-                    stats[:, 0].sum(),
-                    stats[:, 1].sum(),
-                    stats[:, 2].max(),
-                    stats[:, 3].min(),
-                    stats[:, 4].sum(),
-                    stats[:, 5].sum(),
-                    stats[:, 6].max(),
-                ]
-            ),
-            torch.tensor([7.0], dtype=torch.float64),
-        ]
-    ).unsqueeze(0)
+    sent = []
+
+    class Sending(TwoRanks):  # rank 1's own call: what it sends is rank 0's "other" row
+        def gather(self, x):
+            sent.append(x)
+            return torch.cat([x, x])
+
+    _host(Sending(None))._log_vllm_ratio(rank1, {"policy_tokens_padded": 7.0}, torch.device("cpu"))
+    other_row = sent[0]
+    assert other_row.dtype == torch.int64  # bit patterns: no float64 on the device
     host = _host(TwoRanks(other_row))
     host._log_vllm_ratio(rank0, {"policy_tokens_padded": 5.0}, torch.device("cpu"))
     logged = [host._metrics["train"][k][-1] for k in VLLM_METRICS]

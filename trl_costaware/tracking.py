@@ -11,6 +11,10 @@ Two callbacks, both acting on the main process only:
   ``cost_aware_run_group`` with job type = arm, and declares ``train/cost_aware/policy_tokens`` as the x-axis
   (``define_metric(..., step_metric=...)``) of the reward, eval and ``cost_aware/`` charts.
 
+Both record, beside the config's fields as given, what the trainer resolved from them at construction
+([`resolved_config`]: ``cost_aware_layout_resolved``, the layout that runs, where ``cost_aware_layout`` may say
+``"auto"``): in the sidecar's ``config`` and in the W&B run's config.
+
 Wire them with [`attach_tracking`] after ``Trainer.__init__`` (it places the W&B callback before transformers'
 ``WandbCallback``, so that the run is created with its group), and call [`validate_report_to`] before
 ``Trainer.__init__``, so that a missing ``wandb`` is reported before the model is loaded.
@@ -24,6 +28,7 @@ import math
 import numbers
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from transformers import TrainerCallback
@@ -94,6 +99,14 @@ def _jsonable(value):
         if isinstance(value, (list, tuple)):
             return [_jsonable(v) for v in value]
         return str(value)
+
+
+def resolved_config(trainer) -> dict[str, Any]:
+    """Config entries the trainer resolved at construction, recorded beside the user's fields:
+    ``cost_aware_layout_resolved`` is the layout that runs (``trainer._layout``, "packed" or "even"), while
+    ``cost_aware_layout`` stays as given (e.g. "auto"). Empty for a trainer without one (e.g. plain GRPOTrainer)."""
+    layout = getattr(trainer, "_layout", None)
+    return {} if layout is None else {"cost_aware_layout_resolved": layout}
 
 
 def run_info(args, model=None) -> dict[str, Any]:
@@ -178,8 +191,9 @@ class MetricsRecorderCallback(TrainerCallback):
     after the checkpoint's step are dropped (they are logged again).
     """
 
-    def __init__(self, output_dir: str | None = None):
+    def __init__(self, output_dir: str | None = None, resolved: Callable[[], dict] | None = None):
         self.output_dir = output_dir
+        self.resolved = resolved  # [`resolved_config`] of the trainer, read at train begin (added to the config)
         self._start = None
         self._offset = 0.0
         self._path = None
@@ -202,6 +216,8 @@ class MetricsRecorderCallback(TrainerCallback):
         with open(self._path, "w", encoding="utf-8") as fh:
             fh.writelines(json.dumps(r, allow_nan=False) + "\n" for r in kept)
         self._info = run_info(args, model)
+        if self.resolved is not None:
+            self._info["config"].update(_jsonable(self.resolved()))
         self._info.update(
             {
                 "status": "running",
@@ -316,13 +332,21 @@ class WandbTokenAxisCallback(TrainerCallback):
     second run in the same process would keep the first one's.) Placed after it, the run exists already: only the
     metric definitions are made, and a group that differs gets a warning. Every logged key matching the chart
     patterns is also defined by its exact name, which takes precedence over the ``"*"`` glob transformers defines
-    with ``train/global_step`` as x-axis. Main process only; hyperparameter searches are left to ``WandbCallback``.
+    with ``train/global_step`` as x-axis. ``resolved`` ([`resolved_config`] of the trainer) is added to the run's
+    config. Main process only; hyperparameter searches are left to ``WandbCallback``.
     """
 
-    def __init__(self, group: str | None = None, job_type: str | None = None, step_metric: str = WANDB_TOKEN_AXIS):
+    def __init__(
+        self,
+        group: str | None = None,
+        job_type: str | None = None,
+        step_metric: str = WANDB_TOKEN_AXIS,
+        resolved: Callable[[], dict] | None = None,
+    ):
         self.group = group
         self.job_type = job_type
         self.step_metric = step_metric
+        self.resolved = resolved
         self._run = None
         self._defined: set[str] = set()
 
@@ -368,6 +392,8 @@ class WandbTokenAxisCallback(TrainerCallback):
                 "callbacks with trl_costaware.tracking.attach_tracking(trainer), or call wandb.init(group=...).",
                 repeat=False,
             )
+        if self.resolved is not None and (entries := self.resolved()):
+            run.config.update(entries, allow_val_change=True)
         run.define_metric(self.step_metric, summary="max")
         for glob in WANDB_TOKEN_AXIS_GLOBS:
             run.define_metric(glob, step_metric=self.step_metric)
@@ -392,23 +418,25 @@ class WandbTokenAxisCallback(TrainerCallback):
                 self._defined.add(wkey)
 
 
-def tracking_callbacks(args) -> list[TrainerCallback]:
-    """The tracking callbacks for a run: the local record always, the W&B axis/group when W&B is requested."""
-    callbacks: list[TrainerCallback] = [MetricsRecorderCallback()]
+def tracking_callbacks(args, resolved: Callable[[], dict] | None = None) -> list[TrainerCallback]:
+    """The tracking callbacks for a run: the local record always, the W&B axis/group when W&B is requested.
+    ``resolved``: called at train begin for the entries to add to the recorded config ([`resolved_config`])."""
+    callbacks: list[TrainerCallback] = [MetricsRecorderCallback(resolved=resolved)]
     if wandb_requested(args):
-        callbacks.append(WandbTokenAxisCallback(group=run_group(args), job_type=run_arm(args)))
+        callbacks.append(WandbTokenAxisCallback(group=run_group(args), job_type=run_arm(args), resolved=resolved))
     return callbacks
 
 
 def attach_tracking(trainer) -> list[TrainerCallback]:
     """Add [`tracking_callbacks`] to a constructed trainer; the W&B one goes just before transformers'
     ``WandbCallback``, so that it creates the run (with its group) before that callback would. Idempotent: returns
-    the tracking callbacks the trainer has."""
+    the tracking callbacks the trainer has. The trainer's [`resolved_config`] is read at train begin (the trainer
+    resolves its layout after attaching them)."""
     handler = trainer.callback_handler
     present = [cb for cb in handler.callbacks if isinstance(cb, (MetricsRecorderCallback, WandbTokenAxisCallback))]
     if present:  # already attached (e.g. by the trainer itself): idempotent
         return present
-    callbacks = tracking_callbacks(trainer.args)
+    callbacks = tracking_callbacks(trainer.args, resolved=lambda: resolved_config(trainer))
     for cb in callbacks:
         if isinstance(cb, WandbTokenAxisCallback):
             names = [type(c).__name__ for c in handler.callbacks]
