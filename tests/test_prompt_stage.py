@@ -193,6 +193,13 @@ def test_reward_functions_never_see_the_index_and_metrics_are_logged(tmp_path, m
     assert trainer._prompt_history.taken == 3 and trainer._prompt_history.seen.sum() > 0
 
 
+def test_remove_unused_columns_keeps_the_index(tmp_path, model_path, pool):
+    args = prompt_args(tmp_path, max_steps=2, remove_unused_columns=True)
+    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=pool)
+    trainer.train()
+    assert trainer._prompt_history.taken == 1
+
+
 @pytest.mark.parametrize("case", ["constant", "truncated"])
 def test_degenerate_batches_train_on(tmp_path, model_path, pool, case):
     """Every group zero-variance (no gradient anywhere), or every completion truncated and masked: it trains on, and

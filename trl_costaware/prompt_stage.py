@@ -79,6 +79,12 @@ class PromptStage:
                 lag=loader_lag(a),
             )
 
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        # remove_unused_columns=True keeps only the signature columns: the index must survive it
+        if getattr(self, "_prompt_history", None) is not None and INDEX_COLUMN not in self._signature_columns:
+            self._signature_columns = [*self._signature_columns, INDEX_COLUMN]
+
     def _get_train_sampler(self, dataset=None):
         if self._prompt_history is None:
             return super()._get_train_sampler(dataset)
