@@ -41,15 +41,22 @@ def _args(tmp_path, cls, **overrides):
 
 
 # ---------------------------------------------------------------------------------------------------- returned keys
+@pytest.mark.parametrize(
+    "shape",
+    [{}, {"max_steps": 3, "logging_steps": 2, "disable_tqdm": True}],
+    ids=["one-step", "open-window-no-tqdm"],
+)
 @pytest.mark.parametrize("cost_aware", [True, False])
-def test_evaluate_and_train_return_grpo_trainers_keys(tmp_path, tiny_model_path, cost_aware):
+def test_evaluate_and_train_return_grpo_trainers_keys(tmp_path, tiny_model_path, cost_aware, shape):
     """transformers returns the dict it passed to `log`: the counters must not land in it (a hyperparameter search's
-    `default_compute_objective` sums every metric), while the logged rows still carry them."""
+    `default_compute_objective` sums every metric), while the logged rows still carry them. Also when training ends
+    with a logging window open (its per-batch `cost_aware/*` means must not reach the returned metrics) and without
+    tqdm (transformers' PrinterCallback then deletes `total_flos` from the dict it is given)."""
     train, evaluation = arithmetic_dataset(16, seed=0), arithmetic_dataset(8, seed=1)
     base = GRPOTrainer(
         tiny_model_path,
         [length_reward],
-        args=_args(tmp_path / "a", GRPOConfig),
+        args=_args(tmp_path / "a", GRPOConfig, **shape),
         train_dataset=train,
         eval_dataset=evaluation,
     )
@@ -58,7 +65,7 @@ def test_evaluate_and_train_return_grpo_trainers_keys(tmp_path, tiny_model_path,
     ours = CostAwareGRPOTrainer(
         tiny_model_path,
         [length_reward],
-        args=_args(tmp_path / "b", CostAwareGRPOConfig, cost_aware=cost_aware),
+        args=_args(tmp_path / "b", CostAwareGRPOConfig, cost_aware=cost_aware, **shape),
         train_dataset=train,
         eval_dataset=evaluation,
     )

@@ -438,11 +438,18 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
         # eval curves can be drawn against policy tokens too. They go on the logged row only: transformers returns
         # the dict it logs (`evaluate()`, `train()`'s metrics; a hyperparameter search sums every metric), which
-        # must hold what GRPOTrainer's holds, so the caller's dict gets only what GRPOTrainer's `log` adds to it.
-        counters = {f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items() if f"cost_aware/{k}" not in logs}
-        row = {**logs, **counters}
-        super().log(row, start_time)
-        logs.update({k: v for k, v in row.items() if k not in counters})
+        # must hold what GRPOTrainer's holds. So TRL logs the caller's own dict (its callbacks, e.g. the printer that
+        # deletes `total_flos`, act on it as on GRPOTrainer's) and every `cost_aware/` key the call added (the
+        # counters, and the window means TRL adds when a window is still open at the end of training) is removed
+        # once the row is logged (`log_history` and the callbacks have read it by then).
+        given = set(logs)
+        counters = {f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items()}
+        logs.update({k: v for k, v in counters.items() if k not in given})
+        try:
+            super().log(logs, start_time)
+        finally:
+            for key in [k for k in logs if k.startswith("cost_aware/") and k not in given]:
+                del logs[key]
 
     # ------------------------------------------------------------------ checkpoints
     def _stream_states(self) -> dict:
