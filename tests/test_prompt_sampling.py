@@ -215,3 +215,13 @@ def test_sampler_has_repeat_samplers_layout_and_length():
     sampler.set_epoch(5)
     list(sampler)
     assert list(h.records)[-3:] == [15, 16, 17]  # draw numbers run on: epoch · draws per epoch + c
+
+
+def test_an_unseen_pool_is_drawn_uniformly_with_unit_weights():
+    """Before any reward is in (and on a pool whose prompts are never revisited) the prompt stage is GRPO's draw:
+    every prompt has the prior, q is uniform and every weight is 1."""
+    h = history(size=64)
+    for t in range(2):
+        rec = h.draw(t, 8)
+        assert torch.allclose(rec.weights, torch.ones(8, dtype=torch.float64))
+        assert torch.allclose(rec.inclusion, torch.full((8,), 8 / 64, dtype=torch.float64))
