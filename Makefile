@@ -95,7 +95,7 @@ BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime bench-noise \
-	bench-batch-shapes bench-profile profile bench-prompt
+	bench-batch-shapes bench-profile profile bench-prompt bench-prompt-predictability
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -134,6 +134,10 @@ bench-prompt: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py --cells long_epochs,default_epochs --arms $(PROMPT_ARMS) \
 		--seeds 3 --out outputs/bench/prompt_matrix --tag prompt_matrix_runs
 	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_analysis.py --root outputs/bench/prompt_matrix
+
+# How well does a prompt's reward history predict a zero-variance group, and what could a draw built on it save? (§9)
+bench-prompt-predictability: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_predictability.py
 
 # The "compute" rule's premises (BENCHMARKS.md §8): the gradient noise scale at each regime-matrix cell's start (lr 0)
 # against the steps' measured response to halving the batch (needs the matrix's runs), and the noise a row sample
