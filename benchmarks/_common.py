@@ -123,6 +123,8 @@ ARMS: dict[str, dict] = {
         "trainer": "cost_aware",
         "settings": {**HALF, **NONE, "cost_aware_prompt_sampling": True, "per_device_train_batch_size": 512},
     },
+    # the controls of both_half: the same halved prompt count without the prompt stage (rows only), and GRPO's
+    "cost_aware_0.5_half": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "per_device_train_batch_size": 512}},
 }
 # The same rule with the noise scale scaled by 0.3: the median (0.32) of the measured response of the steps to
 # halving the batch over the model's prediction, on the four regime-matrix cells that have GRPO-half runs
@@ -152,6 +154,7 @@ TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
     "long": {  # 8 prompts x 8 = 64 rollouts per step
         "grpo_half": {"per_device_train_batch_size": 8},
         "both_half": {"per_device_train_batch_size": 8},
+        "cost_aware_0.5_half": {"per_device_train_batch_size": 8},
     },
 }
 for _tb in GRPO_TOKENS_PER_STEP:

@@ -34,7 +34,7 @@ from regime_matrix import grpo_split_weights, load_cell_runs, read_metrics  # no
 from token_efficiency import bootstrap_ci  # noqa: E402
 
 FRACTIONS = (0.5, 0.8, 0.95)
-ARM_ORDER = ("cost_aware_0.5", "greso", "prompt", "both", "both_half")
+ARM_ORDER = ("cost_aware_0.5", "greso", "prompt", "both", "grpo_half", "cost_aware_0.5_half", "both_half")
 SPLIT_LABELS = {"cpu": "CPU-like", "gpu": "gen 55%", "gpu_gen77": "gen 77%"}
 GOAL_RATIO = {"gpu": 0.6, "gpu_gen77": 0.7}
 TOLERANCE = 0.01
