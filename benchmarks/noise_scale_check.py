@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
-from regime_matrix import CELLS, load_cell_runs  # noqa: E402
+from regime_runs import CELLS, load_cell_runs  # noqa: E402
 
 # GRPO-half's steps to the target over GRPO's on the testbeds as they are (compute_to_target.json, §7).
 AS_IS_RESPONSE_FILE = "compute_to_target.json"

@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
 from regime_analysis import SPLIT_NAMES, _end, _end_within, _reach, _with_compute  # noqa: E402
-from regime_matrix import grpo_split_weights, load_cell_runs, read_metrics  # noqa: E402
+from regime_runs import grpo_split_weights, load_cell_runs, read_metrics  # noqa: E402
 from token_efficiency import bootstrap_ci  # noqa: E402
 
 FRACTIONS = (0.5, 0.8, 0.95)

@@ -23,7 +23,7 @@ import os
 
 import _common as common
 import numpy as np
-from regime_matrix import CELLS, END_POINTS, grpo_split_weights, load_cell_runs
+from regime_runs import CELLS, END_POINTS, grpo_split_weights, load_cell_runs
 from token_efficiency import TARGET_FRACTION, bootstrap_ci, update_share
 
 from trl_costaware.compare.compute import phase_step_cost

@@ -24,7 +24,7 @@ schedule, and stops when its compute reaches GRPO's under every split (`SPLITS`)
 under the GPU splits is then read at the earlier point of the same curve where its compute under that split equals
 GRPO's. Per cell and arm: steps / generated / policy tokens to the target and compute to it under each split (paired
 ratios against GRPO, bootstrap 95% intervals over seeds), end accuracy at equal compute and at equal steps against
-GRPO. `regime_decision.py` applies the decision rule to the results.
+GRPO. `regime_analysis.py` applies the decision rule to the results (it imports the cells and run readers from `regime_runs.py`; this runner imports it).
 
 Results: `benchmarks/results/regime_matrix[_smoke].{json,md}`; runs under `outputs/bench/regime_matrix[_smoke]/`.
 """
@@ -42,9 +42,18 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
-from token_efficiency import END_POINTS, bootstrap_ci, update_share  # noqa: E402
-
-from trl_costaware.compare.compute import GPU_GEN77, GPU_VERL, cpu_split, token_weights  # noqa: E402
+from regime_analysis import write_results  # noqa: E402
+from regime_runs import (  # noqa: E402, F401  (the records' readers, re-exported for the matrix's users)
+    CELLS,
+    END_POINTS,
+    SPLITS,
+    grpo_split_weights,
+    informative_shares,
+    load_cell_runs,
+    read_metrics,
+    zero_variance_shares,
+)
+from token_efficiency import bootstrap_ci  # noqa: E402
 
 MATRIX_ARMS = ("grpo", "cost_aware_auto_recenter", "cost_aware_auto", "cost_aware_0.5", "cost_aware_0.5_recenter")
 MATRIX_ARMS += ("cost_aware_0.25",)
@@ -58,12 +67,6 @@ VARIANCE_CANDIDATES = {"default": [(16, 1e-4), (16, 3e-4), (8, 3e-4)], "long": [
 # Committed targets of the testbeds (token_efficiency_full_<testbed>.json): the late checkpoint must have passed them.
 TARGET_FILES = {"default": "token_efficiency_full_default.json", "long": "token_efficiency_full_long.json"}
 EVAL_EVERY = 4
-SPLITS = {"cpu": None, "gpu": GPU_VERL, "gpu_gen77": GPU_GEN77}  # cpu: the cell's own measured GRPO split
-CELLS = {
-    f"{tb}{suffix}": (tb, kind)
-    for tb in ("default", "long")
-    for suffix, kind in (("", "as_is"), ("_late", "late"), ("_variance", "variance"), ("_epochs", "epochs"))
-}
 # Multi-epoch cells (issue 34): a fixed pool of problems revisited epoch after epoch. Candidates (pool size, GRPO's
 # steps), tried in this order with the cell's first GRPO seed; the first on which every prompt is revisited at least
 # `MIN_REVISITS` times and GRPO's share of generated tokens in zero-variance groups passes `ZERO_SHARE_MIN` over the
@@ -71,24 +74,8 @@ CELLS = {
 EPOCH_CANDIDATES = {"default": [(256, 40), (128, 40), (128, 80)], "long": [(128, 80), (64, 80)]}
 MIN_REVISITS = 10
 ZERO_SHARE_MIN = 0.5
-ZERO_SHARE_KEY = "cost_aware/zero_variance_token_share"
 SMOKE = {"per_device_train_batch_size": 32, "num_generations": 8}  # 4 prompts x 8 rollouts, for --smoke
 SMOKE_EVAL_N = 32
-
-
-# ==================================================================================================== records
-def read_metrics(output_dir: str) -> list[dict]:
-    path = os.path.join(output_dir, "cost_aware_metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path, encoding="utf-8") as fh:
-        return [json.loads(line) for line in fh if line.strip()]
-
-
-def informative_shares(output_dir: str) -> list[float]:
-    """Per training step: the share of rows in groups with unequal rewards, 1 − TRL's ``frac_reward_zero_std`` (the
-    rows that can carry a policy gradient at β = 0), from the run's metrics record."""
-    return [1.0 - r["frac_reward_zero_std"] for r in read_metrics(output_dir) if "frac_reward_zero_std" in r]
 
 
 # ==================================================================================================== runs
@@ -121,12 +108,6 @@ def _with_budget(cls, weights, budget):
 
     Budgeted.__name__ = Budgeted.__qualname__ = cls.__name__
     return Budgeted
-
-
-def zero_variance_shares(output_dir: str) -> list[float]:
-    """Per training step: the share of generated tokens in groups whose rewards are all equal (the trainer's
-    ``cost_aware/zero_variance_token_share``), from the run's metrics record."""
-    return [r[ZERO_SHARE_KEY] for r in read_metrics(output_dir) if ZERO_SHARE_KEY in r]
 
 
 def run_one(
@@ -401,16 +382,6 @@ def cell_setup(cell, root, seeds, steps, smoke):
     )
 
 
-def grpo_split_weights(grpo_runs: dict[int, dict], seed: int, steps: int) -> dict:
-    """Per split, token weights calibrated to the same seed's GRPO run (its tokens per step = one unit); the CPU-like
-    split is the cell's mean measured GRPO update share."""
-    shares = [u for u in (update_share(r) for r in grpo_runs.values()) if u is not None]
-    g = grpo_runs[seed]
-    gen, pol = g["totals"]["generated_tokens"] / steps, g["totals"]["policy_tokens"] / steps
-    splits = {k: (v or cpu_split(float(np.mean(shares)) if shares else 0.5)) for k, v in SPLITS.items()}
-    return {k: token_weights(s, gen, pol) for k, s in splits.items()}
-
-
 def setup_cell(cell, root, seeds, steps, smoke=False) -> dict | None:
     """Measure the cell's property (a late checkpoint, a variance candidate) and write its record; the run context,
     or None when no candidate has the property."""
@@ -464,20 +435,7 @@ def schedule(cells: list[str], arms: list[str], seeds: list[int]) -> list[tuple[
     return order + [(c, a, s) for a in arms if a != "grpo" for s in seeds for c in cells]
 
 
-def load_cell_runs(cell_root: str) -> dict[str, dict[int, dict]]:
-    runs: dict[str, dict[int, dict]] = {}
-    for name in sorted(os.listdir(cell_root)) if os.path.isdir(cell_root) else []:
-        path = os.path.join(cell_root, name, "run_result.json")
-        if "__s" in name and os.path.exists(path):
-            with open(path, encoding="utf-8") as fh:
-                res = json.load(fh)
-            runs.setdefault(res["arm"], {})[res["seed"]] = res
-    return runs
-
-
 def main(argv=None):
-    from regime_analysis import write_results
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cells", default="default,default_late,default_variance", help="comma-separated cells")
     p.add_argument("--arms", default=",".join(MATRIX_ARMS), help="comma-separated arms (GRPO always runs)")
