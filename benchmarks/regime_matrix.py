@@ -24,7 +24,8 @@ schedule, and stops when its compute reaches GRPO's under every split (`SPLITS`)
 under the GPU splits is then read at the earlier point of the same curve where its compute under that split equals
 GRPO's. Per cell and arm: steps / generated / policy tokens to the target and compute to it under each split (paired
 ratios against GRPO, bootstrap 95% intervals over seeds), end accuracy at equal compute and at equal steps against
-GRPO. `regime_analysis.py` applies the decision rule to the results (it imports the cells and run readers from `regime_runs.py`; this runner imports it).
+GRPO. `regime_analysis.py` applies the decision rule to the results (it imports the cells and run readers from
+`regime_runs.py`; this runner imports it).
 
 Results: `benchmarks/results/regime_matrix[_smoke].{json,md}`; runs under `outputs/bench/regime_matrix[_smoke]/`.
 """
