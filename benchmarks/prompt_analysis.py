@@ -50,7 +50,7 @@ def _fmt(ci, digits=2, signed=False):
     return f"{f.format(mean)} [{f.format(lo)}, {f.format(hi)}]"
 
 
-def analyse(cell_root: str) -> dict:
+def analyse(cell_root: str, kind: str = "epochs") -> dict:
     runs = load_cell_runs(cell_root)
     grpo = runs.get("grpo", {})
     if not grpo:
@@ -109,7 +109,9 @@ def analyse(cell_root: str) -> dict:
                 [r[f"end_equal_compute_{k}"] - r["grpo_end"] for r in rows if r[f"end_equal_compute_{k}"] is not None]
             )
         out["arms"][arm] = a
+    out["kind"] = kind
     out["both_vs_greso"] = _paired(runs, "both", "greso", targets, out["arms"])
+    out["both_vs_default"] = _paired(runs, "both", "cost_aware_0.5", targets, out["arms"])
     out["goals"] = _goals(out)
     return out
 
@@ -157,7 +159,7 @@ def _goals(cell: dict) -> dict:
     if both is None or both["n"] < 3:
         return {"status": "no claim (fewer than 3 seeds of both stages)"}
     goals = {}
-    for f in FRACTIONS:
+    for f in FRACTIONS if cell.get("kind") == "epochs" else ():  # goal 1 is the multi-epoch cells'
         for k, limit in GOAL_RATIO.items():
             r = both[f"ratio_compute_{k}_{f}"]
             reached = both[f"reached_{f}"] == both["n"]
@@ -172,6 +174,22 @@ def _goals(cell: dict) -> dict:
         goals[f"end_{k}"] = {"delta": end, "met": end[0] is not None and end[0] >= -TOLERANCE}
     for key, r in cell["both_vs_greso"].items():
         goals[f"vs_greso_{key}"] = {"ratio": r, "met": r[0] is not None and r[0] <= 1.0}
+    # goal 3 (every cell): not worse than today's default (rows only) — worse = a paired ratio whose interval is
+    # above 1, or an end accuracy at equal compute below the default's by more than the tolerance
+    default = cell["arms"].get("cost_aware_0.5")
+    for key, r in cell["both_vs_default"].items():
+        goals[f"vs_default_{key}"] = {"ratio": r, "met": r[0] is not None and not (r[1] is not None and r[1] > 1.0)}
+    if default is not None:
+        for k in SPLIT_NAMES:
+            mine, theirs = (
+                both[f"end_equal_compute_{k}_minus_grpo"][0],
+                default[f"end_equal_compute_{k}_minus_grpo"][0],
+            )
+            if mine is not None and theirs is not None:
+                goals[f"end_vs_default_{k}"] = {
+                    "delta": (mine - theirs, None, None),
+                    "met": mine - theirs >= -TOLERANCE,
+                }
     return goals
 
 
@@ -236,6 +254,19 @@ def markdown(cells: dict, command: str) -> str:
                     + " | ".join(_fmt(res["both_vs_greso"][f"{k}_{f}"]) for k in SPLIT_NAMES)
                     + " |"
                 )
+        if res["both_vs_default"]:
+            lines += [
+                "",
+                "Both stages / the row stage alone (today's default), compute to target (paired per seed):",
+                "",
+            ]
+            lines += ["| target | CPU-like | gen 55% | gen 77% |", "|---|---|---|---|"]
+            for f in FRACTIONS:
+                lines.append(
+                    f"| {int(f * 100)}% | "
+                    + " | ".join(_fmt(res["both_vs_default"][f"{k}_{f}"]) for k in SPLIT_NAMES)
+                    + " |"
+                )
         goals = res["goals"]
         lines += ["", "Goals (issue 34):", ""]
         if "status" in goals:
@@ -251,7 +282,7 @@ def markdown(cells: dict, command: str) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=os.path.join(common.ROOT, "outputs", "bench", "prompt_matrix"))
-    p.add_argument("--cells", default="long_epochs,default_epochs")
+    p.add_argument("--cells", default="long_epochs,default_epochs,default,long")
     p.add_argument("--out", default=os.path.join(common.RESULTS, "prompt_matrix"))
     args = p.parse_args(argv)
     cells = {}
@@ -271,7 +302,7 @@ def main(argv=None):
             )
             cells[cell] = {"status": f"no candidate has the property ({desc})", "record": rec}
             continue
-        cells[cell] = {**analyse(rec["runs"]), "record": rec}
+        cells[cell] = {**analyse(rec["runs"], rec.get("kind", "epochs")), "record": rec}
     command = " ".join(["python benchmarks/prompt_analysis.py", *(argv if argv is not None else sys.argv[1:])])
     md = markdown(cells, command)
     with open(args.out + ".json", "w", encoding="utf-8") as fh:
