@@ -245,28 +245,13 @@ def markdown(cells: dict, command: str) -> str:
             for arm in staged:
                 a = res["arms"][arm]
                 lines.append(f"| {arm} | " + " | ".join(_fmt(a[k]) for k in PREDICTION_KEYS) + " |")
-        if res["both_vs_greso"]:
-            lines += ["", "Both stages / GRESO-style skip, compute to target (paired per seed):", ""]
-            lines += ["| target | CPU-like | gen 55% | gen 77% |", "|---|---|---|---|"]
-            for f in FRACTIONS:
-                lines.append(
-                    f"| {int(f * 100)}% | "
-                    + " | ".join(_fmt(res["both_vs_greso"][f"{k}_{f}"]) for k in SPLIT_NAMES)
-                    + " |"
-                )
-        if res["both_vs_default"]:
-            lines += [
-                "",
-                "Both stages / the row stage alone (today's default), compute to target (paired per seed):",
-                "",
-            ]
-            lines += ["| target | CPU-like | gen 55% | gen 77% |", "|---|---|---|---|"]
-            for f in FRACTIONS:
-                lines.append(
-                    f"| {int(f * 100)}% | "
-                    + " | ".join(_fmt(res["both_vs_default"][f"{k}_{f}"]) for k in SPLIT_NAMES)
-                    + " |"
-                )
+        for key, title in (("both_vs_greso", "the GRESO-style skip"), ("both_vs_default", "today's default")):
+            if res[key]:
+                lines += ["", f"Both stages / {title}, compute to target (paired per seed):", ""]
+                lines += ["| target | CPU-like | gen 55% | gen 77% |", "|---|---|---|---|"]
+                for f in FRACTIONS:
+                    cells_ = " | ".join(_fmt(res[key][f"{k}_{f}"]) for k in SPLIT_NAMES)
+                    lines.append(f"| {int(f * 100)}% | {cells_} |")
         goals = res["goals"]
         lines += ["", "Goals (issue 34):", ""]
         if "status" in goals:
