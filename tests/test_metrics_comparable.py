@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_trainer import length_reward, make_args  # the suite's tiny-run settings and reward
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
@@ -16,28 +17,9 @@ from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.packed import PackedLayout
 
 
-def length_reward(completions, **kwargs):
-    return [float(len(c) % 4) for c in completions]
-
-
 def _args(tmp_path, cls, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=8,
-        per_device_eval_batch_size=8,
-        num_generations=4,
-        max_completion_length=10,
-        max_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        bf16=False,
-        seed=0,
-        learning_rate=1e-3,
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
+    settings = dict(per_device_eval_batch_size=8, max_completion_length=10, max_steps=1)
+    return make_args(tmp_path, cls, **{**settings, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------- returned keys

@@ -10,16 +10,13 @@ import warnings
 
 import pytest
 import torch
+from test_trainer import length_reward, make_args  # the suite's tiny-run settings and reward
 
-from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.trainer import STATE_FILE
 
 TOTALS = ("rollout_tokens", "generated_tokens", "policy_tokens", "policy_tokens_padded", "rows_generated", "rows_kept")
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c) % 4) for c in completions]
 
 
 def position_reward(completions, **kwargs):
@@ -28,23 +25,8 @@ def position_reward(completions, **kwargs):
 
 
 def _args(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=4,
-        logging_steps=1,
-        save_strategy="steps",
-        save_steps=2,
-        bf16=False,
-        seed=0,
-        learning_rate=1e-3,
-    )
-    kwargs.update(overrides)
-    return CostAwareGRPOConfig(**kwargs)
+    settings = dict(max_completion_length=8, max_steps=4, save_strategy="steps", save_steps=2)
+    return make_args(tmp_path, **{**settings, **overrides})
 
 
 def _trainer(tmp_path, rewards=(length_reward,), **overrides):
