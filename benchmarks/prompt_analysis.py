@@ -112,6 +112,8 @@ def analyse(cell_root: str, kind: str = "epochs") -> dict:
     out["kind"] = kind
     out["both_vs_greso"] = _paired(runs, "both", "greso", targets, out["arms"])
     out["both_vs_default"] = _paired(runs, "both", "cost_aware_0.5", targets, out["arms"])
+    # the saving taken as cheaper steps: is it the prompt stage's, or the halved prompt count's?
+    out["both_half_vs_default_half"] = _paired(runs, "both_half", "cost_aware_0.5_half", targets, out["arms"])
     out["goals"] = _goals(out)
     return out
 
@@ -245,9 +247,13 @@ def markdown(cells: dict, command: str) -> str:
             for arm in staged:
                 a = res["arms"][arm]
                 lines.append(f"| {arm} | " + " | ".join(_fmt(a[k]) for k in PREDICTION_KEYS) + " |")
-        for key, title in (("both_vs_greso", "the GRESO-style skip"), ("both_vs_default", "today's default")):
-            if res[key]:
-                lines += ["", f"Both stages / {title}, compute to target (paired per seed):", ""]
+        for key, title in (
+            ("both_vs_greso", "Both stages / the GRESO-style skip"),
+            ("both_vs_default", "Both stages / today's default"),
+            ("both_half_vs_default_half", "Both stages / the row stage alone, both at half the prompts per step"),
+        ):
+            if res.get(key):
+                lines += ["", f"{title}, compute to target (paired per seed):", ""]
                 lines += ["| target | CPU-like | gen 55% | gen 77% |", "|---|---|---|---|"]
                 for f in FRACTIONS:
                     cells_ = " | ".join(_fmt(res[key][f"{k}_{f}"]) for k in SPLIT_NAMES)
