@@ -127,16 +127,19 @@ class PromptStage:
         return batch
 
     def _log_zero_variance_share(self, batch) -> None:
-        """`cost_aware/zero_variance_token_share` without the prompt stage: the share of this rank's generated tokens
-        in groups whose rewards (all ranks') are all equal (one device→host copy, no collective)."""
+        """`cost_aware/zero_variance_token_share` without the prompt stage: the share of the generation batch's
+        generated tokens (all ranks) in groups whose rewards are all equal. The flags come from TRL's gathered
+        rewards; the token sums from one gather of two named sums (none with one process), so every rank logs the
+        same value."""
         zero = zero_variance(self._group_rewards())
         n = len(batch["advantages"])
         start = self.accelerator.process_index * n
         flags = zero.repeat_interleave(self.num_generations)[start : start + n]
         generated = self._generated_lengths(batch).double().cpu()
-        self._metrics["train"]["cost_aware/zero_variance_token_share"].append(
-            float(generated[flags].sum() / generated.sum().clamp(min=1))
-        )
+        local = {"zero_variance_tokens": float(generated[flags].sum()), "tokens": float(generated.sum())}
+        total = self._sum_over_ranks(local, batch["advantages"].device)
+        share = total["zero_variance_tokens"] / max(total["tokens"], 1.0)
+        self._metrics["train"]["cost_aware/zero_variance_token_share"].append(share)
 
     def _weight_prompts(self, batch, local: list[int]) -> None:
         """Match the draw, queue its update, weight the rows' advantages, log (one gather, identical on all ranks)."""
