@@ -416,8 +416,9 @@ def j_ratio_achieved(g: torch.Tensor, c: torch.Tensor, p: torch.Tensor) -> float
 
 
 def kept_row_count(n: int, kept_fraction: float, multiple_of: int = 1) -> int:
-    """m = round(kept_fraction · N) rounded down to a multiple of `multiple_of` (so every micro-step gets the same
-    number of rows), and at least `multiple_of`. Requires N to be a multiple of `multiple_of`."""
+    """m = round(kept_fraction · N) rounded down to a multiple of `multiple_of`, the layout's unit
+    (`layout.kept_multiple`: `steps_per_generation` under the even layout, k = S/gcd(S, G) under the packed one), so
+    every unit gets the same number of rows; at least `multiple_of`. Requires N to be a multiple of `multiple_of`."""
     if n % multiple_of:
         raise ValueError(f"N={n} must be a multiple of {multiple_of}")
     m = round(kept_fraction * n)
@@ -435,10 +436,10 @@ def kept_rows_for_token_budget(p: torch.Tensor, costs: torch.Tensor, budget: flo
 def capped_kept_count(m: int, informative_max: int, multiple_of: int = 1) -> int:
     """Never more slots than the rows that can carry gradient need:
 
-        m' = min(m, max(k, ⌊informative_max / k⌋ · k)),   k = multiple_of (steps_per_generation),
+        m' = min(m, max(k, ⌊informative_max / k⌋ · k)),   k = multiple_of (the layout's unit, `layout.kept_multiple`),
 
     with `informative_max` the largest number of eligible rows (`eligible_rows`) on any rank, so m' is the same on
-    every rank. m' ≤ informative_max whenever informative_max ≥ k; below that every micro-step still needs one row
-    per rank and m' = k."""
+    every rank. m' ≤ informative_max whenever informative_max ≥ k; below that every unit still needs one row per rank
+    and m' = k."""
     floor = (informative_max // multiple_of) * multiple_of
     return min(m, max(multiple_of, floor))
