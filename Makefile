@@ -51,12 +51,12 @@ test-gpu:
 	$(TEST_ENV) $(or $(GPU_PYTHON),$(BIN)/python) -m pytest -p no:xdist -m gpu -rs $(PYTEST_ARGS) tests/test_gpu.py
 
 demo: $(STAMP)
-	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.demo
+	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.scripts.demo
 
 # The long testbed (counting, completions of 2 to 96 tokens, wrong ones run on to the cap): GRPO and Cost-Aware GRPO,
 # progress bars, outputs/demo-long/heldout_accuracy.png. Both testbeds load their shipped warm-up weights (no training).
 demo-long: $(STAMP)
-	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.demo --testbed long
+	$(RUN_ENV) WANDB_MODE=$(WANDB_MODE) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.scripts.demo --testbed long
 
 # What the long testbed's rollouts look like at the start of GRPO, and which of its properties hold (1,024 rollouts;
 # benchmarks/results/diagnose_long_start.json is this command's --json output).

@@ -5,7 +5,7 @@ The testbed harness (`run_arm`, `ARMS`): one arm for one seed, in this process, 
 arms of a seed side by side in one process with it; other benchmarks may reuse it (arms are plain data).
 
 Every run writes the trainer's `cost_aware_metrics.jsonl` and `cost_aware_run.json` to its output dir (read by
-`trl_costaware.compare`). (The subprocess runner `train_one`/`run_many` went with `overhead.py`, retired in issue 33:
+`trl_costaware.tracking.compare`). (The subprocess runner `train_one`/`run_many` went with `overhead.py`, retired in issue 33:
 `git show 5b408c2:benchmarks/_common.py`.)
 """
 

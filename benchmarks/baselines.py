@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from trl_costaware import CostAwareGRPOTrainer
-from trl_costaware.plan import LOSS_NORMALISERS
+from trl_costaware.rows.plan import LOSS_NORMALISERS
 
 
 # ==================================================================================================== pure rules

@@ -98,7 +98,7 @@ def j_ratio(value: np.ndarray, cost: np.ndarray, q: np.ndarray) -> float:
 
 
 def analyse(visits: list[dict], pool: int, g: int) -> dict:
-    from trl_costaware.prompt_history import PromptHistory, PromptUpdate
+    from trl_costaware.prompts.history import PromptHistory, PromptUpdate
 
     zero = np.array([max(v["rewards"]) - min(v["rewards"]) <= 1e-12 for v in visits])
     tokens = np.array([v["tokens"] for v in visits])

@@ -15,7 +15,7 @@ policy-loss term (TRL's `_compute_loss` on that row alone, the full batch's norm
 separately, and G_i is the norm of its gradient over all parameters. The sampled tokens' probabilities under the
 sampling policy (a no-grad forward; vLLM returns them with the rollout) are recorded too.
 
-Proxies compared (`trl_costaware.proxy`, docs/budget_and_proxy.md §1):
+Proxies compared (`trl_costaware.rows.proxy`, docs/budget_and_proxy.md §1):
 - "advantage":            |A_i|                                      (the paper's proxy)
 - "loss_aware γ":         |A_i| · L_i^γ / Z_i                        (length and the loss type's normaliser)
 - "loss_aware+logp γ":    |A_i| · (Σ_t (1 − π(y_t))^(1/γ))^γ / Z_i   (also the sampled tokens' probabilities)
@@ -23,7 +23,7 @@ Proxies compared (`trl_costaware.proxy`, docs/budget_and_proxy.md §1):
 
 Reported per loss type and batch: Pearson (and Spearman) between proxy and G_i over all rows and over the
 informative rows (A_i != 0), and the cost factor of sampling ∝ proxy/√c against the optimum ∝ G_i/√c:
-J(p)/J(p*) = 1 + χ²(r*‖r) (docs/algorithm.md §1), from `trl_costaware.sampling`. The in-sample best γ (the grid value
+J(p)/J(p*) = 1 + χ²(r*‖r) (docs/algorithm.md §1), from `trl_costaware.core.sampling`. The in-sample best γ (the grid value
 with the smallest J(p)/J(p*) per batch, median over batches) is reported per loss type to check the fixed default.
 """
 
@@ -118,8 +118,8 @@ def spearman(x, y) -> float:
 def best_gamma(absa, g, costs, token_mask, token_logps, loss_type) -> float:
     """The γ of the grid `GAMMA_GRID` whose proxy (with `token_logps`, or length only when None) gives the smallest
     J(p)/J(p*) for sampling ∝ proxy/√c on this batch: an in-sample optimum, to check the fixed default."""
-    from trl_costaware.proxy import loss_aware_proxy
-    from trl_costaware.sampling import j_ratio_achieved, sampling_distribution
+    from trl_costaware.core.sampling import j_ratio_achieved, sampling_distribution
+    from trl_costaware.rows.proxy import loss_aware_proxy
 
     def cost_factor(gamma):
         proxy = loss_aware_proxy(absa, token_mask, loss_type, gamma, token_logps)
@@ -143,7 +143,7 @@ def sampled_token_logps(model, batch, temperature: float):
 
 def proxies_for(absa, token_mask, token_logps, loss_type):
     """name -> proxy tensor (N,), float64."""
-    from trl_costaware.proxy import loss_aware_proxy
+    from trl_costaware.rows.proxy import loss_aware_proxy
 
     out = {"advantage": absa.double()}
     for gamma in GAMMAS:
@@ -157,9 +157,9 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
     import torch
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-    from trl_costaware.batching import select_rows
+    from trl_costaware.core.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution, sequence_costs
     from trl_costaware.embedded.tasks import get_task
-    from trl_costaware.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution, sequence_costs
+    from trl_costaware.rows.batching import select_rows
 
     torch.manual_seed(args.seed)
     settings, data_kwargs, model_path = task_setup(args.task)
@@ -269,7 +269,7 @@ def write_outputs(res: dict, tag: str) -> str:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from trl_costaware.proxy import DEFAULT_GAMMA, ROW_MEAN_LOSSES
+    from trl_costaware.rows.proxy import DEFAULT_GAMMA, ROW_MEAN_LOSSES
 
     loss_types = res["loss_types"]
     fig = Figure(figsize=(4.2 * len(loss_types), 10.5), dpi=100, layout="constrained")
@@ -338,9 +338,9 @@ def budget_fidelity(res: dict) -> list[dict]:
     for the same p and m; and the same two inflations for the fixed fraction 0.5."""
     import torch
 
-    from trl_costaware.budget import smallest_budget, variance_inflation
-    from trl_costaware.proxy import DEFAULT_GAMMA, length_exponent
-    from trl_costaware.sampling import sampling_distribution
+    from trl_costaware.core.sampling import sampling_distribution
+    from trl_costaware.kept_count.budget import smallest_budget, variance_inflation
+    from trl_costaware.rows.proxy import DEFAULT_GAMMA, length_exponent
 
     out = []
     for lt in res["loss_types"]:

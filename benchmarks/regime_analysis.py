@@ -26,7 +26,7 @@ import numpy as np
 from regime_runs import CELLS, END_POINTS, grpo_split_weights, load_cell_runs
 from token_efficiency import TARGET_FRACTION, bootstrap_ci, update_share
 
-from trl_costaware.compare.compute import phase_step_cost
+from trl_costaware.tracking.compare.compute import phase_step_cost
 
 TOLERANCE = 0.01
 MIN_SEEDS = 3  # fewer seeds in a cell: no claim there (the setting cannot pass it)

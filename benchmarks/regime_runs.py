@@ -10,7 +10,7 @@ import os
 import numpy as np
 from token_efficiency import END_POINTS, update_share  # noqa: F401  (END_POINTS re-exported)
 
-from trl_costaware.compare.compute import GPU_GEN77, GPU_VERL, cpu_split, token_weights
+from trl_costaware.tracking.compare.compute import GPU_GEN77, GPU_VERL, cpu_split, token_weights
 
 SPLITS = {"cpu": None, "gpu": GPU_VERL, "gpu_gen77": GPU_GEN77}  # cpu: the cell's own measured GRPO split
 CELLS = {

@@ -3,7 +3,7 @@
 Same problem family as benchmarks/cost_aware_sgd.py (weighted LAD, n = 1000, d = 20, G_i ~ LogNormal(0, 0.7),
 c_i ~ U[1, 10], one instance per seed). For each bias budget Γ (in units of Ḡ = (1/n) Σ G_i):
 
-1. `trl_costaware.subset.select_subset_greedy` drops the most expensive examples while (1/n) Σ_dropped G_i ≤ Γ;
+1. `trl_costaware.prompts.subset.select_subset_greedy` drops the most expensive examples while (1/n) Σ_dropped G_i ≤ Γ;
 2. cost-aware SGD (p_i ∝ G_i/√c_i on the kept set, 0 on the dropped ones, step x ← x − η ∇f_i/(n p_i)) runs on the
    kept set, with the theory's step η = κ ε_abs/S_K(p), S_K(p) = (1/n²) Σ_{i∈K} G_i²/p_i, ε_abs = ε (F(x₀) − F*),
    and κ tuned for every Γ as in benchmarks/cost_aware_sgd.py (tuning instances, seeds 1000+; the κ with the
@@ -45,14 +45,14 @@ from cost_aware_sgd import (
     tune_kappa,
 )
 
-from trl_costaware import subset
+from trl_costaware.prompts import subset
 
 GAMMA_FRACTIONS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
 QUICK_GAMMA_FRACTIONS = (0.0, 0.02, 0.1)
 
 
 def kept_distribution(G: np.ndarray, c: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """p* restricted to the kept set: ∝ G_i/√c_i on K, 0 elsewhere (built with trl_costaware.sampling)."""
+    """p* restricted to the kept set: ∝ G_i/√c_i on K, 0 elsewhere (built with trl_costaware.core.sampling)."""
     G_k = np.where(np.isin(np.arange(G.size), kept), G, 0.0)
     return sampler_distribution("gradient_over_sqrt_cost", G_k, c)
 

@@ -44,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
 
-from trl_costaware.compare.compute import (  # noqa: E402
+from trl_costaware.scripts.demo import finish_accuracy_plot  # noqa: E402
+from trl_costaware.tracking.compare.compute import (  # noqa: E402
     GPU_GEN77,
     GPU_VERL,
     cpu_split,
@@ -52,7 +53,6 @@ from trl_costaware.compare.compute import (  # noqa: E402
     phase_step_cost,
     token_weights,
 )
-from trl_costaware.demo import finish_accuracy_plot  # noqa: E402
 
 MAIN_ARMS = ("grpo", "cost_aware_0.5", "uniform_0.5")  # --seeds (10)
 # --other-seeds (5)
@@ -496,7 +496,7 @@ def write_results(root: str, steps: int, tag: str, command: str, testbed: str = 
 # `--compute-to-target`, BENCHMARKS.md §7; until issue 33 it was benchmarks/compute_to_target.py). Per arm and seed,
 # paired with the same seed's GRPO run of the same results file: steps, generated tokens and policy tokens to the
 # target (as `reach` interpolates them), and compute to the target in GRPO-step units
-# (`trl_costaware.compare.compute`):
+# (`trl_costaware.tracking.compare.compute`):
 #
 # - from tokens (device-free): w_gen · generated tokens + w_pol · policy tokens, the weights calibrated to the
 #   same-seed GRPO run's tokens per step under a split: the testbed's CPU-like split (GRPO's measured update share,

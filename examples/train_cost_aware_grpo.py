@@ -1,4 +1,4 @@
-"""Cost-Aware GRPO training script (a thin wrapper around `trl_costaware.train_script.main`).
+"""Cost-Aware GRPO training script (a thin wrapper around `trl_costaware.scripts.train.main`).
 
     python examples/train_cost_aware_grpo.py --config examples/recipes/embedded_default.yaml
     accelerate launch examples/train_cost_aware_grpo.py --config examples/recipes/qwen2.5-0.5b-gsm8k-lora.yaml
@@ -8,7 +8,7 @@ YAML file: ``--model_name_or_path``, ``--dataset_name``, ``--reward_funcs``, ``-
 Same as ``trl-costaware train ...``.
 """
 
-from trl_costaware.train_script import main
+from trl_costaware.scripts.train import main
 
 if __name__ == "__main__":
     main()

@@ -32,9 +32,9 @@ from test_unbiased import _flat_grad, _full_batch_grad
 from trl import GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware import plan as plan_module
 from trl_costaware import trainer as trainer_module
-from trl_costaware.plan import PlanSettings, plan_batch
+from trl_costaware.rows import plan as plan_module
+from trl_costaware.rows.plan import PlanSettings, plan_batch
 
 ROWS = 32  # 8 groups of 4 generations
 GROUP = 4

@@ -21,11 +21,11 @@ from test_unbiased import (
 from transformers import HfArgumentParser
 
 from trl_costaware import CostAwareGRPOConfig
-from trl_costaware import plan as plan_module
-from trl_costaware.budget import smallest_budget, variance_inflation
+from trl_costaware.core.sampling import capped_kept_count, eligible_rows, sampling_distribution
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
-from trl_costaware.proxy import DEFAULT_GAMMA
-from trl_costaware.sampling import capped_kept_count, eligible_rows, sampling_distribution
+from trl_costaware.kept_count.budget import smallest_budget, variance_inflation
+from trl_costaware.rows import plan as plan_module
+from trl_costaware.rows.proxy import DEFAULT_GAMMA
 
 BASE = dict(output_dir="unused", use_cpu=True, report_to="none", per_device_train_batch_size=8, num_generations=4)
 
@@ -282,7 +282,7 @@ def test_auto_parses_from_a_yaml_recipe(tmp_path):
     line."""
     import yaml
 
-    from trl_costaware.train_script import parse_args
+    from trl_costaware.scripts.train import parse_args
 
     recipe = tmp_path / "auto.yaml"
     recipe.write_text(yaml.safe_dump({"cost_aware_kept_fraction": "auto", "cost_aware_budget_delta": 0.5}))

@@ -212,7 +212,7 @@ def test_compute_to_target_on_the_committed_runs():
     fix (scaled by the bug) is used."""
     import token_efficiency as te
 
-    from trl_costaware.compare.compute import GPU_VERL, cpu_split, step_cost
+    from trl_costaware.tracking.compare.compute import GPU_VERL, cpu_split, step_cost
 
     res = te.compute_to_target()
     for tb, t in res["testbeds"].items():

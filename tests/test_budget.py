@@ -1,4 +1,4 @@
-"""Unit tests for the adaptive budget (`trl_costaware.budget`, docs/budget_and_proxy.md §2)."""
+"""Unit tests for the adaptive budget (`trl_costaware.kept_count.budget`, docs/budget_and_proxy.md §2)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_costaware.budget import (
+from trl_costaware.core.sampling import draw_multinomial, draw_systematic, sampling_distribution
+from trl_costaware.kept_count.budget import (
     AUTO,
     KeptFraction,
     inflation_terms,
     smallest_budget,
     variance_inflation,
 )
-from trl_costaware.sampling import draw_multinomial, draw_systematic, sampling_distribution
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -20,7 +20,7 @@ def _modules_after(code: str) -> list[str]:
 
 def _cli(*argv: str) -> str:
     return (
-        "import contextlib, io\nfrom trl_costaware.cli import main\n"
+        "import contextlib, io\nfrom trl_costaware.scripts.cli import main\n"
         f"with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n    main({list(argv)!r})"
     )
 
@@ -38,7 +38,7 @@ def test_help_and_version_import_nothing_heavy(argv):
 def test_compare_help_imports_nothing_heavy():
     """`trl-costaware compare` reads JSON records: it needs neither torch nor transformers."""
     assert _modules_after(_cli("compare", "--help")) == [], (
-        "trl_costaware.compare imports trl_costaware.tracking (transformers) for its record names"
+        "trl_costaware.tracking.compare imports trl_costaware.tracking.callbacks (transformers) for its record names"
     )
 
 
@@ -54,7 +54,7 @@ def test_lazy_attributes_resolve():
 
 def test_version_prints_the_package_version(capsys):
     import trl_costaware
-    from trl_costaware.cli import main
+    from trl_costaware.scripts.cli import main
 
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"trl-costaware {trl_costaware.__version__}"
@@ -83,14 +83,14 @@ def nothing_loads(monkeypatch):
 
 def test_train_without_a_model_refuses(tmp_path, nothing_loads):
     """As `trl grpo`: no --model_name_or_path, no silent toy model."""
-    from trl_costaware.cli import main
+    from trl_costaware.scripts.cli import main
 
     with pytest.raises(ValueError, match="--model_name_or_path is required.*--embedded_default"):
         main(["train", *COMMON, "--output_dir", str(tmp_path)])
 
 
 def test_embedded_default_with_a_model_refuses(tmp_path, nothing_loads):
-    from trl_costaware.cli import main
+    from trl_costaware.scripts.cli import main
 
     with pytest.raises(ValueError, match="--embedded_default"):
         main(
@@ -109,9 +109,9 @@ def test_embedded_default_with_a_model_refuses(tmp_path, nothing_loads):
 
 def test_embedded_default_trains_the_built_in_model(tmp_path, monkeypatch, tiny_model_path):
     """--embedded_default: the built-in model is the one handed to the trainer."""
-    from trl_costaware import train_script
     from trl_costaware import trainer as trainer_module
     from trl_costaware.embedded import warmup
+    from trl_costaware.scripts import train as train_script
 
     seen = {}
 
@@ -138,7 +138,7 @@ def test_multimodal_model_refused_before_it_loads(tmp_path, monkeypatch, nothing
         return object.__new__(VisionProcessor)
 
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", from_pretrained)
-    from trl_costaware.cli import main
+    from trl_costaware.scripts.cli import main
 
     argv = ["train", *COMMON, "--output_dir", str(tmp_path), "--model_name_or_path", "some/vlm"]
     with pytest.raises(NotImplementedError, match="multimodal processor .*VisionProcessor"):

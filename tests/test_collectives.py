@@ -13,8 +13,15 @@ from test_plan import make_rows
 from test_trainer_review import _chunk, _host, _trl_values
 from torch.utils._pytree import tree_flatten
 
-from trl_costaware.deferred import VLLM_METRICS
-from trl_costaware.plan import AcceleratorCollective, PlanSettings, SingleProcess, float64_bits, plan_batch, to_float64
+from trl_costaware.rows.deferred import VLLM_METRICS
+from trl_costaware.rows.plan import (
+    AcceleratorCollective,
+    PlanSettings,
+    SingleProcess,
+    float64_bits,
+    plan_batch,
+    to_float64,
+)
 
 
 class NoFloat64Device(FakeAccelerator):

@@ -10,8 +10,11 @@ import numpy as np
 import pytest
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware.cli import main as cli_main
-from trl_costaware.compare import (
+from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
+from trl_costaware.embedded.model import tiny_model_path
+from trl_costaware.scripts.cli import main as cli_main
+from trl_costaware.tracking.callbacks import METRICS_FILE, RUN_FILE, MetricsRecorderCallback, attach_tracking
+from trl_costaware.tracking.compare import (
     NO_CLAIM,
     NOT_REACHED,
     CompareError,
@@ -27,10 +30,12 @@ from trl_costaware.compare import (
     run_curve,
     smooth,
 )
-from trl_costaware.compare.noise import baseline_improvement, bootstrap_mean_interval, improvement, step_noise_sd
-from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
-from trl_costaware.embedded.model import tiny_model_path
-from trl_costaware.tracking import METRICS_FILE, RUN_FILE, MetricsRecorderCallback, attach_tracking
+from trl_costaware.tracking.compare.noise import (
+    baseline_improvement,
+    bootstrap_mean_interval,
+    improvement,
+    step_noise_sd,
+)
 
 
 @pytest.fixture(scope="module")
@@ -432,7 +437,7 @@ def synthetic_steps(name, steps, ys, cost_aware, gen_per_step, policy_per_step, 
 
 
 def test_compute_weights_calibrate_the_baseline_step_to_one():
-    from trl_costaware.compare import GPU_VERL, token_weights
+    from trl_costaware.tracking.compare import GPU_VERL, token_weights
 
     w = token_weights(GPU_VERL, gen_per_step=500.0, policy_per_step=2000.0)
     assert w.compute(500.0, 2000.0) == pytest.approx(1.0)
@@ -441,7 +446,7 @@ def test_compute_weights_calibrate_the_baseline_step_to_one():
 
 
 def test_step_cost_and_break_even():
-    from trl_costaware.compare import GPU_GEN77, GPU_VERL, break_even_steps_ratio, cpu_split, step_cost
+    from trl_costaware.tracking.compare import GPU_GEN77, GPU_VERL, break_even_steps_ratio, cpu_split, step_cost
 
     assert step_cost(1.0, GPU_VERL) == pytest.approx(1.0)
     assert step_cost(0.3, GPU_VERL) == pytest.approx(0.55 + 0.45 * 0.3)
@@ -458,7 +463,7 @@ def test_step_cost_and_break_even():
 
 
 def test_parse_split_and_phase_cost():
-    from trl_costaware.compare import GPU_VERL, parse_split, phase_step_cost
+    from trl_costaware.tracking.compare import GPU_VERL, parse_split, phase_step_cost
 
     assert parse_split("gpu") is GPU_VERL
     assert parse_split("cpu:0.55").update == pytest.approx(0.55) and parse_split("cpu:0.55").passes == 0
@@ -507,7 +512,7 @@ def test_png_has_a_compute_panel_at_the_split():
     """The PNG draws the metric against policy tokens AND against compute at the comparison's split (verl's
     generation 55% by default), where the cost-aware arm's crossing sits at 3.3 baseline steps against the baseline's
     4 (policy tokens: 1,250 against 4,000); without a split (or without the token counters), one panel as before."""
-    from trl_costaware.compare.plot import COMPUTE_LABEL, figure
+    from trl_costaware.tracking.compare.plot import COMPUTE_LABEL, figure
 
     steps = [1, 2, 3, 4, 5, 6]
     runs = [
@@ -530,7 +535,7 @@ def test_png_has_a_compute_panel_at_the_split():
 
 
 def parse_split_cpu():
-    from trl_costaware.compare import cpu_split
+    from trl_costaware.tracking.compare import cpu_split
 
     return cpu_split(0.55)
 

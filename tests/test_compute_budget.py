@@ -1,4 +1,4 @@
-"""The "compute" rule's math (`trl_costaware/compute_budget.py`): its limits, its search against an exhaustive one, the
+"""The "compute" rule's math (`trl_costaware/kept_count/compute_budget.py`): its limits, its search against an exhaustive one, the
 expected kept tokens against real draws, and the gradient noise scale against a brute-force computation from
 per-row gradients of a tiny model."""
 
@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_costaware.budget import variance_inflation
-from trl_costaware.compute_budget import (
+from trl_costaware.core.sampling import draw_rows, eligible_rows, sampling_distribution, sampling_scores
+from trl_costaware.kept_count.budget import variance_inflation
+from trl_costaware.kept_count.compute_budget import (
     ComputeSignal,
     Ema,
     NoiseScale,
@@ -23,7 +24,6 @@ from trl_costaware.compute_budget import (
     predicted_cost,
     rows_per_optimizer_step,
 )
-from trl_costaware.sampling import draw_rows, eligible_rows, sampling_distribution, sampling_scores
 
 
 def batch(n: int, seed: int, zero_share: float = 0.25):

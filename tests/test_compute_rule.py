@@ -15,11 +15,11 @@ from transformers import TrainerCallback
 
 from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware import trainer as trainer_module
-from trl_costaware.compute_budget import cheapest_kept_count
+from trl_costaware.core.sampling import capped_kept_count, gradient_proxy
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
-from trl_costaware.sampling import capped_kept_count, gradient_proxy
-from trl_costaware.step_signals import PARAM_GRAD, ZERO0, ZERO1, ComputeSignals, gradient_source
+from trl_costaware.kept_count.compute_budget import cheapest_kept_count
+from trl_costaware.kept_count.step_signals import PARAM_GRAD, ZERO0, ZERO1, ComputeSignals, gradient_source
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,10 @@
-"""`make demo` (trl_costaware.demo): the target rule, tokens and compute to target, and the summary of a tiny run."""
+"""`make demo` (trl_costaware.scripts.demo): the target rule, tokens and compute to target, and the summary of a tiny run."""
 
 import json
 
 import pytest
 
-from trl_costaware import demo
+from trl_costaware.scripts import demo
 
 
 def _curve(accs, tokens_per_point=1000.0):
@@ -54,7 +54,7 @@ def test_compute_prices_tokens_in_grpo_steps_at_gen55_and_the_measured_split():
     """One GRPO step costs 1 at every split; an arm that keeps half the policy tokens of the same rollouts costs
     s_gen + (1 − s_gen)/2 per step: 0.775 at generation 55%, and at the machine's split (GRPO's measured update share
     0.6: generation 40%) 0.7. Compute to target is read on the same curve as policy tokens."""
-    from trl_costaware.compare.compute import GPU_VERL
+    from trl_costaware.tracking.compare.compute import GPU_VERL
 
     grpo = _arm(1000, 400, [0.5, 0.6, 0.7, 0.8], {"training_step": 10.0, "generate_and_score": 4.0})
     ca = _arm(500, 400, [0.5, 0.6, 0.7, 0.8])

@@ -18,7 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
-from trl_costaware.plan import LOSS_NORMALISERS, PlanSettings, RowStats, plan_batch
+from trl_costaware.rows.plan import LOSS_NORMALISERS, PlanSettings, RowStats, plan_batch
 
 LOSS_TYPES = sorted(LOSS_NORMALISERS)
 BETAS = [0.0, 0.04]

@@ -53,9 +53,9 @@ def _reset_peak():
 def measure(rows: int, cols: int, dtype: str, slice_size: int | None = None) -> dict:
     """Bytes above the resident memory before each of the estimator's two calls, at its peak during the call and
     after it (the stored copy), for one rows × cols parameter; in this process (call it in a fresh one)."""
-    from trl_costaware import compute_budget
-    from trl_costaware.compute_budget import NoiseScale
-    from trl_costaware.step_signals import ComputeSignals
+    from trl_costaware.kept_count import compute_budget
+    from trl_costaware.kept_count.compute_budget import NoiseScale
+    from trl_costaware.kept_count.step_signals import ComputeSignals
 
     if slice_size is not None:
         compute_budget.GRADIENT_SLICE = slice_size

@@ -17,7 +17,7 @@ import trl_costaware
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
 from trl_costaware.embedded.warmup import warmed_up_model_path
-from trl_costaware.train_script import main, parse_args, reward_registry
+from trl_costaware.scripts.train import main, parse_args, reward_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -182,7 +182,7 @@ def test_training_script_on_a_named_dataset_with_lora(tmp_path, warm_model):
 
 def test_console_entry_point_runs_the_script(tmp_path, warm_model):
     """`trl-costaware train --config embedded_default.yaml ...`."""
-    from trl_costaware.cli import main as cli_main
+    from trl_costaware.scripts.cli import main as cli_main
 
     out = tmp_path / "cli"
     argv = ["train", "--config", str(RECIPES / "embedded_default.yaml"), *TINY_OVERRIDES, "--output_dir", str(out)]
@@ -212,7 +212,7 @@ def test_reward_names_resolve():
 
 def test_math_accuracy_without_math_verify_fails_at_resolution(monkeypatch):
     """--reward_funcs math_accuracy without the `math` extra: the error names the extra before any model loads."""
-    from trl_costaware.train_script import resolve_reward_funcs
+    from trl_costaware.scripts.train import resolve_reward_funcs
 
     monkeypatch.setitem(sys.modules, "math_verify", None)  # makes `import math_verify` raise ImportError
     with pytest.raises(ImportError, match=r"trl-costaware\[math\]"):
@@ -255,7 +255,7 @@ def test_embedded_recipe_parses_without_a_model_or_dataset():
 def test_every_recipe_has_only_known_keys(recipe):
     import yaml
 
-    from trl_costaware.train_script import make_parser
+    from trl_costaware.scripts.train import make_parser
 
     config = yaml.safe_load((RECIPES / recipe).read_text())
     config.pop("env", None)

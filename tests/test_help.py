@@ -22,10 +22,21 @@ COMMANDS = {
     "trl-costaware --help": [CLI, "--help"],
     "trl-costaware train --help": [CLI, "train", "--help"],
     "trl-costaware compare --help": [CLI, "compare", "--help"],
-    "python -m trl_costaware.cli train --help": [sys.executable, "-m", "trl_costaware.cli", "train", "--help"],
-    "python -m trl_costaware.train_script --help": [sys.executable, "-m", "trl_costaware.train_script", "--help"],
-    "python -m trl_costaware.compare --help": [sys.executable, "-m", "trl_costaware.compare", "--help"],
-    "python -m trl_costaware.demo --help": [sys.executable, "-m", "trl_costaware.demo", "--help"],
+    "python -m trl_costaware.scripts.cli train --help": [
+        sys.executable,
+        "-m",
+        "trl_costaware.scripts.cli",
+        "train",
+        "--help",
+    ],
+    "python -m trl_costaware.scripts.train --help": [sys.executable, "-m", "trl_costaware.scripts.train", "--help"],
+    "python -m trl_costaware.tracking.compare --help": [
+        sys.executable,
+        "-m",
+        "trl_costaware.tracking.compare",
+        "--help",
+    ],
+    "python -m trl_costaware.scripts.demo --help": [sys.executable, "-m", "trl_costaware.scripts.demo", "--help"],
     "python -m trl_costaware.embedded.diagnose --help": [
         sys.executable,
         "-m",
@@ -74,7 +85,7 @@ def test_every_script_and_module_main_is_checked():
             dotted = ".".join(module.relative_to(ROOT).with_suffix("").parts)
         else:
             continue
-        assert f"-m {dotted} " in named or dotted == "trl_costaware.cli", (
+        assert f"-m {dotted} " in named or dotted == "trl_costaware.scripts.cli", (
             f"python -m {dotted} has no --help check in tests/test_help.py"
         )
 
@@ -84,7 +95,7 @@ def _parsers():
     from trl import ModelConfig, TrlParser
 
     from trl_costaware import CostAwareGRPOConfig
-    from trl_costaware.train_script import CostAwareScriptArguments
+    from trl_costaware.scripts.train import CostAwareScriptArguments
 
     return {
         "HfArgumentParser(CostAwareGRPOConfig)": HfArgumentParser(CostAwareGRPOConfig),

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
-from trl_costaware.layout import Layout, full_micro_batch_layout
+from trl_costaware.rows.layout import Layout, full_micro_batch_layout
 
 
 @given(

@@ -14,7 +14,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
-from trl_costaware.packed import PackedLayout
+from trl_costaware.rows.packed import PackedLayout
 
 
 def _args(tmp_path, cls, **overrides):

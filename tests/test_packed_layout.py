@@ -11,7 +11,7 @@ from transformers import TrainerCallback
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
-from trl_costaware.layout import (
+from trl_costaware.rows.layout import (
     kept_multiple,
     optimizer_segments,
     pack_sorted,
@@ -22,7 +22,7 @@ from trl_costaware.layout import (
     spread_sorted,
     token_mean_scale,
 )
-from trl_costaware.plan import LOSS_NORMALISERS, PlanSettings, RowStats, plan_batch
+from trl_costaware.rows.plan import LOSS_NORMALISERS, PlanSettings, RowStats, plan_batch
 
 
 # ---------------------------------------------------------------------------------------------------- pure functions
@@ -376,7 +376,7 @@ def test_one_row_per_micro_batch_drops_rows_and_its_update_compute_falls_with_th
 
 
 def test_bnpo_micro_token_factor_keeps_1_for_a_micro_batch_without_loss_tokens():
-    from trl_costaware.layout import micro_token_factor
+    from trl_costaware.rows.layout import micro_token_factor
 
     assert micro_token_factor(6.0, 4.0) == 1.5
     assert micro_token_factor(0.0, 4.0) == 1.0

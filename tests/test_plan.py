@@ -1,4 +1,4 @@
-"""The sampler's decision for one generation batch (`trl_costaware.plan.plan_batch`), tested alone: no trainer."""
+"""The sampler's decision for one generation batch (`trl_costaware.rows.plan.plan_batch`), tested alone: no trainer."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl import GRPOTrainer
 
-from trl_costaware import plan as plan_module
-from trl_costaware.batching import KNOWN_KEYS, check_keys, select_rows, trim_to_longest
-from trl_costaware.budget import smallest_budget, variance_inflation
-from trl_costaware.plan import LOSS_NORMALISERS, PlanSettings, RowStats, check_loss_type, plan_batch
-from trl_costaware.sampling import eligible_rows, sampling_distribution, stream_seed
+from trl_costaware.core.sampling import eligible_rows, sampling_distribution, stream_seed
+from trl_costaware.kept_count.budget import smallest_budget, variance_inflation
+from trl_costaware.rows import plan as plan_module
+from trl_costaware.rows.batching import KNOWN_KEYS, check_keys, select_rows, trim_to_longest
+from trl_costaware.rows.plan import LOSS_NORMALISERS, PlanSettings, RowStats, check_loss_type, plan_batch
 
 
 def ht_settings(**kwargs) -> PlanSettings:
@@ -93,7 +93,7 @@ def test_unknown_loss_type_is_refused_naming_the_field(name):
 
 
 def test_proxy_and_plan_read_the_same_table():
-    from trl_costaware import proxy
+    from trl_costaware.rows import proxy
 
     assert set(proxy.LOSS_TYPES) == set(LOSS_NORMALISERS)
     assert set(proxy.ROW_MEAN_LOSSES) == {k for k, z in LOSS_NORMALISERS.items() if z.row_length}
@@ -161,7 +161,7 @@ def test_auto_keeps_the_largest_count_over_ranks_and_sums_the_inflation():
     assert plan_batch(rows, s, gen(), OtherRank([k, k])).m == k
     two = plan_batch(rows, s, gen(), OtherRank([alone.m, k], sums={"inflation_num": 3.0, "inflation_den": 5.0}))
     g = rows.advantages.abs() * two.eligible
-    from trl_costaware.budget import inflation_terms
+    from trl_costaware.kept_count.budget import inflation_terms
 
     num, den = inflation_terms(g, two.p, two.m)
     assert two.metrics["budget_inflation"] == pytest.approx((num + 3.0) / (den + 5.0))

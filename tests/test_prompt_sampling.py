@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl.trainer.utils import RepeatSampler
 
-from trl_costaware.prompt_history import PromptHistory, PromptSampler, PromptUpdate
-from trl_costaware.prompt_sampling import (
+from trl_costaware.prompts.history import PromptHistory, PromptSampler, PromptUpdate
+from trl_costaware.prompts.sampling import (
     beta_binomial_pmf,
     draw_prompts,
     forget_and_update,

@@ -13,13 +13,13 @@ from test_unbiased import _full_batch_grad
 from trl import GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware import prompt_history as history_module
-from trl_costaware.batching import select_rows
+from trl_costaware.core.sampling import Draw
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
-from trl_costaware.packed import NOOP_KEY
-from trl_costaware.prompt_stage import INDEX_COLUMN
-from trl_costaware.sampling import Draw
+from trl_costaware.prompts import history as history_module
+from trl_costaware.prompts.stage import INDEX_COLUMN
+from trl_costaware.rows.batching import select_rows
+from trl_costaware.rows.packed import NOOP_KEY
 
 POOL, GROUP, K = 8, 4, 4  # 8 prompts of 4 rollouts; 4 prompts per generation batch, in 2 micro-batches
 

@@ -1,4 +1,4 @@
-"""Unit tests for the loss-aware gradient proxy (`trl_costaware.proxy`, docs/budget_and_proxy.md §1)."""
+"""Unit tests for the loss-aware gradient proxy (`trl_costaware.rows.proxy`, docs/budget_and_proxy.md §1)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_costaware.proxy import (
+from trl_costaware.rows.proxy import (
     LOSS_TYPES,
     ROW_MEAN_LOSSES,
     length_exponent,

@@ -1,4 +1,4 @@
-"""Tests for static cost-aware subset selection (`trl_costaware.subset`, docs/algorithm.md §3)."""
+"""Tests for static cost-aware subset selection (`trl_costaware.prompts.subset`, docs/algorithm.md §3)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trl_costaware.subset import (
+from trl_costaware.prompts.subset import (
     SubsetSelection,
     canonical_key,
     cost_factor,

@@ -11,10 +11,9 @@ import pytest
 from transformers import TrainerState
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware.compare import canonical_key
 from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
 from trl_costaware.embedded.model import tiny_model_path
-from trl_costaware.tracking import (
+from trl_costaware.tracking.callbacks import (
     METRICS_FILE,
     RUN_FILE,
     WANDB_TOKEN_AXIS,
@@ -24,6 +23,7 @@ from trl_costaware.tracking import (
     tracking_callbacks,
     validate_report_to,
 )
+from trl_costaware.tracking.compare import canonical_key
 
 GROUP = "tracking-test-group"
 

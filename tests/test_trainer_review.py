@@ -15,10 +15,10 @@ import torch
 from trl import GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware.deferred import TRL_SCORING_CODE, VLLM_METRICS, DeferredLogProbPasses
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
-from trl_costaware.plan import AcceleratorCollective
+from trl_costaware.rows.deferred import TRL_SCORING_CODE, VLLM_METRICS, DeferredLogProbPasses
+from trl_costaware.rows.plan import AcceleratorCollective
 from trl_costaware.trainer import STATE_FILE
 
 
@@ -130,7 +130,7 @@ def test_placeholder_only_for_trls_scoring_calls():
     with host._deferred_log_prob_passes():
         assert torch.equal(host._get_per_token_logps_and_entropies(None, ids, ids, 3)[0], torch.zeros(2, 3))
         assert torch.equal(trl_body(host, ids), torch.zeros(2, 3))  # not TRL's code: real values
-        with unittest.mock.patch("trl_costaware.deferred.TRL_SCORING_CODE", trl_body.__code__):
+        with unittest.mock.patch("trl_costaware.rows.deferred.TRL_SCORING_CODE", trl_body.__code__):
             assert torch.isnan(trl_body(host, ids)).all()
             assert torch.equal(host._get_per_token_logps_and_entropies(None, ids, ids, 3)[0], torch.zeros(2, 3))
     assert "_get_per_token_logps_and_entropies" not in vars(host)

@@ -33,7 +33,7 @@ from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware import trainer as trainer_module
 
 try:  # the sampler's decision lives in plan.py once the trainer delegates to it
-    from trl_costaware import plan as plan_module
+    from trl_costaware.rows import plan as plan_module
 except ImportError:  # pragma: no cover - older layout
     plan_module = None
 from trl_costaware.embedded.arithmetic import arithmetic_dataset

@@ -23,7 +23,7 @@ from trl.generation import vllm_generation as generation_module
 
 from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
-from trl_costaware.vllm_ratio import VLLM_IS_MODES, vllm_importance_sampling_ratio
+from trl_costaware.rows.vllm_ratio import VLLM_IS_MODES, vllm_importance_sampling_ratio
 
 
 class StandInEngine:

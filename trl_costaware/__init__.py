@@ -12,8 +12,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ._compat import TESTED_TRL_RANGE, check_trl_version
-
-__version__ = "0.1.0"
+from ._version import __version__
 
 _LAZY = {"CostAwareGRPOConfig": ".config", "CostAwareGRPOTrainer": ".trainer"}
 

@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ._compat import check_trl_version
-from .budget import RULES, KeptFraction
-from .compute_budget import COST_MODELS
-from .layout import LAYOUTS, full_micro_batch_layout, layout_of, sampling_floor_warning
-from .plan import check_loss_type
-from .prompt_sampling import VALUE_SCALES
-from .sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
+from .core.sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
+from .kept_count.budget import RULES, KeptFraction
+from .kept_count.compute_budget import COST_MODELS
+from .prompts.sampling import VALUE_SCALES
+from .rows.layout import LAYOUTS, full_micro_batch_layout, layout_of, sampling_floor_warning
+from .rows.plan import check_loss_type
 
 check_trl_version()  # the package imports this module on first use of the config or the trainer
 
@@ -98,7 +98,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             `"compute"`: per generation batch, the m minimising the predicted cost of the run to its target,
             (1 + ρ (1 + I(m))) (C_fix + κ T(m)), with ρ = B_noise / N the gradient noise scale measured from the run's
             own optimizer steps, C_fix a step's cost that does not shrink with m and κ the price of a kept policy token
-            (`trl_costaware/compute_budget.py`, docs/budget_and_proxy.md §3; McCandlish et al. 2018, "An Empirical
+            (`trl_costaware/kept_count/compute_budget.py`, docs/budget_and_proxy.md §3; McCandlish et al. 2018, "An Empirical
             Model of Large-Batch Training"). Every row is kept until the noise scale has its first estimate (the second
             optimizer step); under DeepSpeed and FSDP, where the gradient is not readable, it falls back to `"auto"`.
         cost_aware_cost_model (`str`, defaults to `"time"`):

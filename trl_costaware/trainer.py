@@ -29,17 +29,17 @@ from transformers import AutoProcessor, ProcessorMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
-from .batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
 from .config import CostAwareGRPOConfig, resolve_cost_fn
-from .deferred import DEFERRED_KEYS, DeferredLogProbPasses
-from .layout import kept_multiple, micro_token_factor
-from .packed import NOOP_KEY, PackedLayout
-from .plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
-from .prompt_stage import PromptStage
-from .proxy import DEFAULT_GAMMA, row_factor
-from .sampling import sequence_costs, stream_generator
-from .step_signals import ComputeSignals
-from .tracking import attach_tracking, validate_report_to
+from .core.sampling import sequence_costs, stream_generator
+from .kept_count.step_signals import ComputeSignals
+from .prompts.stage import PromptStage
+from .rows.batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
+from .rows.deferred import DEFERRED_KEYS, DeferredLogProbPasses
+from .rows.layout import kept_multiple, micro_token_factor
+from .rows.packed import NOOP_KEY, PackedLayout
+from .rows.plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
+from .rows.proxy import DEFAULT_GAMMA, row_factor
+from .tracking.callbacks import attach_tracking, validate_report_to
 
 STATE_FILE = "cost_aware_state_rank{rank}.pt"
 MULTIMODAL_REFUSAL = (

@@ -107,8 +107,8 @@ def main(argv=None) -> int:
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware import trainer as trainer_module
-    from trl_costaware.budget import KeptFraction
     from trl_costaware.embedded.arithmetic import arithmetic_dataset
+    from trl_costaware.kept_count.budget import KeptFraction
 
     os.makedirs(args.out, exist_ok=True)
     config = CostAwareGRPOConfig(

@@ -313,7 +313,7 @@ def _batch_metric_means(output_dir: str) -> dict[str, float]:
     the trainer's local record; absent for plain GRPO, which does not sample)."""
     import json
 
-    from ..tracking import METRICS_FILE
+    from ..tracking.callbacks import METRICS_FILE
 
     path = os.path.join(output_dir, METRICS_FILE)
     sums: dict[str, list[float]] = {k: [] for k in BATCH_METRICS}

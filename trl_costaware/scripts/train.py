@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
-from .config import CostAwareGRPOConfig
+from ..config import CostAwareGRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class CostAwareScriptArguments(ScriptArguments):
 
 def reward_registry() -> dict[str, Callable]:
     """Reward functions selectable by name with ``--reward_funcs``."""
-    from .embedded.arithmetic import arithmetic_format_reward, arithmetic_reward
-    from .rewards import boxed_format_reward, gsm8k_accuracy_reward, math_accuracy_reward, think_answer_format_reward
+    from ..embedded.arithmetic import arithmetic_format_reward, arithmetic_reward
+    from ..rewards import boxed_format_reward, gsm8k_accuracy_reward, math_accuracy_reward, think_answer_format_reward
 
     return {
         "math_accuracy": math_accuracy_reward,
@@ -120,7 +120,7 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
     for name in names:
         if name in registry:
             if name == "math_accuracy":
-                from .rewards import _require_math_verify
+                from ..rewards import _require_math_verify
 
                 _require_math_verify()  # fail here, before the model loads, not at the first reward call
             funcs.append(registry[name])
@@ -236,7 +236,7 @@ def load_datasets(script_args: CostAwareScriptArguments, training_args: CostAwar
     """(train_dataset, eval_dataset or None), limited and prepared."""
     want_eval = training_args.eval_strategy != "no"
     if script_args.dataset_name is None:
-        from .embedded.arithmetic import arithmetic_dataset
+        from ..embedded.arithmetic import arithmetic_dataset
 
         kw = {"max_terms": script_args.embedded_max_terms, "conversational": False}
         train = arithmetic_dataset(script_args.embedded_train_size, seed=training_args.seed, **kw)
@@ -260,7 +260,7 @@ def load_datasets(script_args: CostAwareScriptArguments, training_args: CostAwar
 # ---------------------------------------------------------------------------------------------------- training
 def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwareGRPOConfig, model_args: ModelConfig):
     """The `CostAwareGRPOTrainer` for parsed arguments (loads the model, tokenizer and datasets)."""
-    from .trainer import CostAwareGRPOTrainer
+    from ..trainer import CostAwareGRPOTrainer
 
     embedded_model = model_args.model_name_or_path is None
     if embedded_model and not script_args.embedded_default:
@@ -285,7 +285,7 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
     reward_funcs += resolve_reward_funcs(reward_names)
 
     if embedded_model:
-        from .embedded.warmup import warmed_up_model_path
+        from ..embedded.warmup import warmed_up_model_path
 
         model_id = warmed_up_model_path(seed=script_args.embedded_model_seed)
         logger.info("--embedded_default: training the built-in warmed-up tiny model at %s", model_id)
@@ -346,7 +346,7 @@ def refuse_multimodal(model_id: str, model_args: ModelConfig, training_args: Cos
 
 def _check_reference_column(reward_funcs, dataset) -> None:
     """Fail before loading the model when an accuracy reward has no reference column to read."""
-    from .rewards import gsm8k_accuracy_reward, math_accuracy_reward
+    from ..rewards import gsm8k_accuracy_reward, math_accuracy_reward
 
     columns = set(getattr(dataset, "column_names", None) or [])
     needs = [f.__name__ for f in reward_funcs if f in (math_accuracy_reward, gsm8k_accuracy_reward)]

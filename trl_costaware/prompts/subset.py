@@ -2,7 +2,7 @@
 
 Setting. F(x) = (1/n) Σ_i f_i(x), component i costs c_i > 0 per gradient query and ‖∇f_i‖ ≤ G_i. Cost-aware SGD
 with the optimal sampler p*_i ∝ G_i/√c_i needs a total cost proportional to J(p*) = (Σ_i G_i √c_i)² (see
-`trl_costaware.sampling.j_ratio_ideal`). Dropping a set R of examples before training and running on the kept set
+`trl_costaware.core.sampling.j_ratio_ideal`). Dropping a set R of examples before training and running on the kept set
 K = [n] \\ R changes two things:
 
     cost factor   J_K  = (Σ_{i∈K} G_i √c_i)²                       (what cost-aware SGD on K pays, up to constants)

@@ -1,7 +1,7 @@
 """`make demo`: GRPO and Cost-Aware GRPO side by side on the embedded default (tiny model, arithmetic task).
 `make demo-long`: the same on the long testbed (counting, completions of 2 to 96 tokens).
 
-    python -m trl_costaware.demo [--steps 50] [--seed 0] [--output_dir outputs/demo] [--testbed long]
+    python -m trl_costaware.scripts.demo [--steps 50] [--seed 0] [--output_dir outputs/demo] [--testbed long]
 
 Builds (or reuses) the tiny model and its SFT warm-up, trains both arms from the same checkpoint with the same seed,
 the same prompts and the same rollouts per step (the `trl_costaware.embedded.testbed` recipe: 64 prompts x 16
@@ -10,7 +10,7 @@ held-out accuracy at the start and end, policy-optimisation tokens, and the poli
 the target, and writes ``summary.json`` and ``heldout_accuracy.png`` (held-out accuracy against policy tokens and
 against compute) to the output folder.
 
-Compute is what a run costs in GRPO steps (`trl_costaware.compare.compute`): generated and policy tokens weighted so
+Compute is what a run costs in GRPO steps (`trl_costaware.tracking.compare.compute`): generated and policy tokens weighted so
 that one step of this run's GRPO arm costs 1, at two phase splits of a GRPO step (`compute_splits`): verl's GPU split
 (generation 55%, old/reference passes 19%, update 26%) and this machine's, measured on the GRPO arm (its update
 share of a training step; no old/reference pass: β = 0, one iteration per generation batch). Policy tokens alone
@@ -29,8 +29,8 @@ import math
 import os
 import warnings
 
-from trl_costaware.compare.compute import GPU_VERL, Split, cpu_split, measured_update_share, token_weights
 from trl_costaware.embedded.testbed import DEFAULT_STEPS, EVAL_EVERY, GRPO_RECIPE, HELDOUT_N
+from trl_costaware.tracking.compare.compute import GPU_VERL, Split, cpu_split, measured_update_share, token_weights
 
 DEMO_SETTINGS = GRPO_RECIPE  # the recipe both arms use (kept under its old name for scripts that import it)
 ARMS = {"grpo": {"cost_aware": False}, "cost_aware_grpo": {"cost_aware": True}}
@@ -311,7 +311,7 @@ def format_summary(summary: dict) -> str:
         )
         lines.append(
             "Compute = generated and policy tokens priced in GRPO steps (one GRPO step = 1; "
-            f"trl_costaware.compare.compute) at each split — {described}. Every step pays the whole generation, so "
+            f"trl_costaware.tracking.compare.compute) at each split — {described}. Every step pays the whole generation, so "
             "policy tokens alone overstate the saving."
         )
     return "\n".join(lines)

@@ -35,7 +35,7 @@ def check_keys(batch: dict) -> None:
             f"CostAwareGRPOTrainer cannot select rows of the batch keys {unknown}: their layout (per row, per "
             f"completion token, per prompt token or per batch) is unknown. Known keys: prompt {PROMPT_KEYS}, "
             f"completion {COMPLETION_KEYS}, row {ROW_KEYS}, scalar {SCALAR_KEYS}. Set cost_aware=False to train this "
-            "batch with plain GRPO, or add the key to trl_costaware/batching.py."
+            "batch with plain GRPO, or add the key to trl_costaware/rows/batching.py."
         )
 
 

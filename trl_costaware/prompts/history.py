@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Sampler
 
-from .prompt_sampling import (
+from ..core.sampling import stream_generator
+from .sampling import (
     PRIOR,
     beta_binomial_pmf,
     draw_prompts,
@@ -32,7 +33,6 @@ from .prompt_sampling import (
     success_counts,
     zero_variance_probability,
 )
-from .sampling import stream_generator
 
 RULES = ("cost_aware", "greso")
 KEEP_RECORDS = 32  # draws kept for the trainer to match its batches against (the loader is at most a few ahead)

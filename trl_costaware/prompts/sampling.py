@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from .sampling import Draw, draw_systematic
+from ..core.sampling import Draw, draw_systematic
 
 # scale_rewards values whose group advantages depend on the group alone (a batch-level scale would change with q).
 VALUE_SCALES = ("group", "none")

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..record_names import BASELINE_ARM, COST_AWARE_ARM, METRICS_FILE, RUN_FILE
+from ..names import BASELINE_ARM, COST_AWARE_ARM, METRICS_FILE, RUN_FILE
 
 X_ALIASES = {
     "policy_tokens": "cost_aware/policy_tokens",

@@ -19,18 +19,18 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE, end="")
         return 0
     if argv[0] in ("-V", "--version"):
-        from . import __version__
+        from .._version import __version__
 
         print(f"trl-costaware {__version__}")
         return 0
     command, rest = argv[0], argv[1:]
     if command == "compare":
-        from .compare import main as compare_main
+        from ..tracking.compare import main as compare_main
 
         return compare_main(rest)
     if command == "train":
         try:
-            from .train_script import main as train_main
+            from .train import main as train_main
         except ImportError as err:
             if err.name and err.name.endswith("train_script"):
                 print("error: the train command is not available in this installation", file=sys.stderr)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import kept_row_count
+from ..core.sampling import kept_row_count
 
 
 @dataclass(frozen=True)

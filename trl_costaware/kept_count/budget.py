@@ -29,7 +29,7 @@ import math
 
 import torch
 
-from .sampling import DRAW_SCHEMES, _clean, inclusion_probabilities
+from ..core.sampling import DRAW_SCHEMES, _clean, inclusion_probabilities
 
 AUTO = "auto"
 COMPUTE = "compute"  # the rule of `compute_budget.cheapest_kept_count`

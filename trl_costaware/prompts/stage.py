@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
-from .prompt_history import PromptHistory, PromptSampler, PromptUpdate
-from .prompt_sampling import token_normaliser_factor
-from .sampling import effective_sample_size
+from ..core.sampling import effective_sample_size
+from .history import PromptHistory, PromptSampler, PromptUpdate
+from .sampling import token_normaliser_factor
 
 INDEX_COLUMN = "cost_aware_prompt_index"
 PROMPT_TOTAL = "prompt_generated_tokens_saved"

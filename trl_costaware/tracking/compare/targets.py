@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..record_names import BASELINE_ARM, COST_AWARE_ARM
+from ..names import BASELINE_ARM, COST_AWARE_ARM
 from .compute import GPU_VERL, Split, TokenWeights, token_weights
 from .curves import COMPUTE_KEY, Curve, aggregate, first_crossing, raw_series, run_curve, smoothing_window
 from .noise import NoiseCheck, baseline_improvement
@@ -224,7 +224,7 @@ def compare_runs(
 ) -> Result:
     """Group `runs` into arms, average each arm's seeds, take the baseline arm's peak (and `fractions` of it) as
     targets, and find where every arm and run first reaches them. Tokens-to-target numbers and savings are given
-    only when the baseline improved beyond noise (`trl_costaware.compare.noise`); else they are None.
+    only when the baseline improved beyond noise (`trl_costaware.tracking.compare.noise`); else they are None.
 
     With `compute_split` (default: verl's GPU split) every run also gets compute to each target in baseline-step
     units (`add_compute`), the arm's compute per step and the break-even steps ratio (1 / compute per step): the

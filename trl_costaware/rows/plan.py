@@ -30,11 +30,7 @@ from typing import Protocol
 
 import torch
 
-from .budget import AUTO, COMPUTE, inflation_terms, smallest_budget
-from .compute_budget import ComputeSignal, cheapest_kept_count
-from .diagnostics import batch_metrics, rank_sums
-from .layout import kept_multiple, layout_of
-from .sampling import (
+from ..core.sampling import (
     Draw,
     capped_kept_count,
     design_weight_terms,
@@ -47,6 +43,10 @@ from .sampling import (
     sampling_distribution,
     sampling_scores,
 )
+from ..kept_count.budget import AUTO, COMPUTE, inflation_terms, smallest_budget
+from ..kept_count.compute_budget import ComputeSignal, cheapest_kept_count
+from .diagnostics import batch_metrics, rank_sums
+from .layout import kept_multiple, layout_of
 
 
 # ---------------------------------------------------------------------------------------------------- loss types

@@ -33,7 +33,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from .record_names import BASELINE_ARM, COST_AWARE_ARM, METRICS_FILE, RECORD_VERSION, RUN_FILE  # noqa: F401
+from .names import BASELINE_ARM, COST_AWARE_ARM, METRICS_FILE, RECORD_VERSION, RUN_FILE  # noqa: F401
 
 TOKEN_AXIS = "cost_aware/policy_tokens"
 # transformers' WandbCallback renames every key that does not start with eval_/test_ to "train/<key>"; the trainer puts
@@ -126,7 +126,7 @@ def run_info(args, model=None) -> dict[str, Any]:
     except ImportError:  # pragma: no cover
         versions = {}
     try:
-        from . import __version__ as pkg_version
+        from .._version import __version__ as pkg_version
 
         versions["trl_costaware"] = pkg_version
     except ImportError:  # pragma: no cover
@@ -389,7 +389,7 @@ class WandbTokenAxisCallback(TrainerCallback):
             self._wandb().termwarn(
                 f"cost_aware_run_group={self.group!r} could not be applied: the W&B run already existed (group "
                 f"{run.group or None!r}), made by wandb.init or by transformers' WandbCallback running first. Add the "
-                "callbacks with trl_costaware.tracking.attach_tracking(trainer), or call wandb.init(group=...).",
+                "callbacks with trl_costaware.tracking.callbacks.attach_tracking(trainer), or call wandb.init(group=...).",
                 repeat=False,
             )
         if self.resolved is not None and (entries := self.resolved()):

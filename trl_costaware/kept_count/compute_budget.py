@@ -50,8 +50,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.sampling import _clean, inclusion_probabilities
 from .budget import variance_inflation
-from .sampling import _clean, inclusion_probabilities
 
 COST_MODELS = ("time", "tokens")
 # The rule's search: at most GRID candidate counts, then GRID more between the best one's neighbours.
