@@ -23,7 +23,13 @@ from trl.generation import vllm_generation as generation_module
 
 from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
-from trl_costaware.rows.vllm_ratio import VLLM_IS_MODES, vllm_importance_sampling_ratio
+from trl_costaware.rows.vllm_ratio import (
+    NO_TOKEN_STATS,
+    VLLM_IS_MODES,
+    combine_ratio_stats,
+    vllm_importance_sampling_ratio,
+    vllm_metrics,
+)
 
 
 class StandInEngine:
@@ -348,6 +354,22 @@ def test_vllm_ratio_refuses_unknown_mode():
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="token_truncate"):
         vllm_importance_sampling_ratio(x, x, x, mode="token", clip_min=None, clip_max=3.0)
+
+
+def test_combine_ratio_stats_of_no_micro_batch_is_a_rank_without_a_token():
+    """A rank's statistics from its micro-batches' (sums, extremes), and from none at all (a rank whose positions are
+    all no-ops): the statistics of no token, which `vllm_metrics` counts as TRL counts a rank without a token (0).
+    Before `combine_ratio_stats`, `_log_vllm_ratio` stacked an empty list there (tests/test_vllm_distributed.py)."""
+    per_micro = torch.tensor([[1.0, 4.0, 0.5, 0.9, 4.2, 4.0, 1.2], [2.0, 2.0, 1.5, 0.7, 2.1, 2.0, 1.1]])
+    combined = combine_ratio_stats(per_micro)
+    assert combined.tolist() == pytest.approx([3.0, 6.0, 1.5, 0.7, 6.3, 6.0, 1.2])
+    none = combine_ratio_stats(torch.empty((0, 7)))
+    assert none.tolist() == list(NO_TOKEN_STATS) and none.dtype == torch.float32
+    d_mean, d_max, r_min, r_mean, r_max = vllm_metrics(torch.stack([combined, none]))
+    assert d_mean == pytest.approx(3.0 / 6.0 / 2) and d_max == pytest.approx(1.5)
+    assert (r_min, r_max) == (0.0, pytest.approx(1.2)) and r_mean == pytest.approx(6.3 / 6.0 / 2)
+    with pytest.raises(ValueError, match="7"):
+        combine_ratio_stats(torch.zeros(7))
 
 
 def _row_key(prompt_ids, prompt_mask, completion_ids, completion_mask):

@@ -22,7 +22,7 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from .plan import float64_bits, to_float64
-from .vllm_ratio import vllm_importance_sampling_ratio, vllm_metrics
+from .vllm_ratio import combine_ratio_stats, vllm_importance_sampling_ratio, vllm_metrics
 
 # The code object of TRL's scoring function: its direct calls to `_get_per_token_logps_and_entropies` are the passes
 # that are deferred.
@@ -150,19 +150,14 @@ class DeferredLogProbPasses:
 
         Nothing float64 reaches the device (not every device has it): the statistics are float32 there (TRL's own
         precision for these metrics) and travel as their bit pattern, the float64 host counters as theirs
-        (`plan.float64_bits`), both in one int64 tensor; the counters are summed over ranks on the host, exactly."""
-        stats = torch.stack([self._vllm_ratio_stats(c) for c in chunks])  # (micro-batches, 7), float32
-        reduced = torch.stack(
-            [
-                stats[:, 0].sum(),
-                stats[:, 1].sum(),
-                stats[:, 2].max(),
-                stats[:, 3].min(),
-                stats[:, 4].sum(),
-                stats[:, 5].sum(),
-                stats[:, 6].max(),
-            ]
-        )
+        (`plan.float64_bits`), both in one int64 tensor; the counters are summed over ranks on the host, exactly.
+
+        `chunks` are this rank's real micro-batches, possibly none (every position a no-op): the rank then sends the
+        statistics of no token (`vllm_ratio.combine_ratio_stats`) and joins the gather all the same, so the ranks stay
+        in lock-step and every rank logs the same values."""
+        # (micro-batches, 7), float32; none on a rank without a real micro-batch, which sends a no-token row
+        stats = [self._vllm_ratio_stats(c) for c in chunks]
+        reduced = combine_ratio_stats(torch.stack(stats) if stats else torch.empty((0, 7), device=device))
         counters = float64_bits(torch.tensor(list(local.values()), dtype=torch.float64))
         wire = torch.cat([reduced.view(torch.int32).to(torch.int64), counters.to(reduced.device)]).unsqueeze(0)
         if self.accelerator.num_processes > 1:

@@ -15,6 +15,8 @@ With d_it = (old_it − sampling_it) · mask_it, and NaN replaced by 0 (a token 
 
 Masked tokens have d = 0, so columns where the mask is 0 (padding) do not change a row's value.
 
+`combine_ratio_stats` sums one rank's micro-batch statistics into the rank's own (any number of micro-batches, none
+included: a rank with no real micro-batch has the statistics of a rank without a token, and still sends them).
 `vllm_metrics` forms TRL's five `sampling/*` metrics from each rank's sums, over ranks as TRL does: the mean of the
 per-rank means and the extreme of the per-rank extremes (a rank without a token counts 0, as in TRL).
 """
@@ -58,6 +60,35 @@ def vllm_importance_sampling_ratio(
     low = clip_min if clip_min is not None else -math.inf
     high = clip_max if clip_max is not None else math.inf
     return ratio.masked_fill((ratio < low) | (ratio > high), value=0.0)
+
+
+# The statistics of no token ([Σ|Δ|, n_Δ, max |Δ|, min r, Σ r, n_r, max r]): the identity of `combine_ratio_stats`.
+NO_TOKEN_STATS = (0.0, 0.0, -math.inf, math.inf, 0.0, 0.0, -math.inf)
+
+
+def combine_ratio_stats(per_micro_batch: torch.Tensor) -> torch.Tensor:
+    """One rank's statistics from those of its micro-batches: `per_micro_batch` (K, 7), rows [Σ|Δ|, n_Δ, max |Δ|,
+    min r, Σ r, n_r, max r] as in `vllm_metrics`, K ≥ 0. Returns (7,), on the same device and dtype:
+
+        [Σ_k Σ|Δ|_k, Σ_k n_Δ,k, max_k max |Δ|_k, min_k min r_k, Σ_k Σ r_k, Σ_k n_r,k, max_k max r_k],
+
+    each reduction started from `NO_TOKEN_STATS` (0 for a sum, −∞ for a max, +∞ for a min), so K = 0 (a rank with no
+    real micro-batch) gives `NO_TOKEN_STATS`: a rank without a token, which `vllm_metrics` counts as TRL does."""
+    if per_micro_batch.dim() != 2 or per_micro_batch.shape[1] != 7:
+        raise ValueError(f"expected (micro-batches, 7) statistics, got shape {tuple(per_micro_batch.shape)}")
+    identity = torch.tensor(NO_TOKEN_STATS, dtype=per_micro_batch.dtype).to(per_micro_batch.device)
+    s = torch.cat([identity.unsqueeze(0), per_micro_batch])
+    return torch.stack(
+        [
+            s[:, 0].sum(),
+            s[:, 1].sum(),
+            s[:, 2].amax(),
+            s[:, 3].amin(),
+            s[:, 4].sum(),
+            s[:, 5].sum(),
+            s[:, 6].amax(),
+        ]
+    )
 
 
 def vllm_metrics(per_rank: torch.Tensor) -> tuple[float, float, float, float, float]:
