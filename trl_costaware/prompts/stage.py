@@ -135,7 +135,7 @@ class PromptStage:
         n = len(batch["advantages"])
         start = self.accelerator.process_index * n
         flags = zero.repeat_interleave(self.num_generations)[start : start + n]
-        generated = self._generated_lengths(batch).double().cpu()
+        generated = self._generated_lengths(batch).cpu().double()  # float64 on the host only (MPS has none)
         local = {"zero_variance_tokens": float(generated[flags].sum()), "tokens": float(generated.sum())}
         total = self._sum_over_ranks(local, batch["advantages"].device)
         share = total["zero_variance_tokens"] / max(total["tokens"], 1.0)
