@@ -5,8 +5,10 @@ zero-variance generation could a draw built on that history avoid? (issue 34; BE
 
 Trains plain GRPO on a regime-matrix multi-epoch cell (a fixed pool revisited epoch after epoch, TRL's own sampler)
 and records every visit: the prompt, its group's rewards, its generated tokens. Then, offline, for the prompt stage's
-posterior (`prompt_history.PromptHistory`: Beta(1, 1) prior, forgetting γ) at several γ, each visit's predicted
-P(zero variance) from the visits before it:
+posterior (`prompts.history.PromptHistory`, forgetting γ) at several γ, with the prior fitted on the pool (refitted
+every epoch of P/K steps, as the stage refits it at each epoch's plan) and with the uniform Beta(1, 1) prior, each
+visit's predicted P(zero variance), value and cost from the visits BEFORE it (the visit's own rewards and tokens enter
+only after its predictions are read: issue 38 removed a leak where q was divided by the visit's realised tokens):
 
 - calibration and discrimination: mean predicted vs observed, the Brier score against the constant predictor at the
   observed rate, the AUC (the probability that a zero-variance visit was predicted higher than an informative one);
@@ -14,7 +16,10 @@ P(zero variance) from the visits before it:
   them;
 - the bound: the zero-variance share of generated tokens a draw ∝ (1 − predicted P(zero variance)) would have had
   (each visit re-weighted by its chance under that draw, from the same visits), against uniform's, with the
-  prompt stage's uniform share α = 0.1. A draw cannot skip what its history does not predict.
+  prompt stage's uniform share α = 0.1. A draw cannot skip what its history does not predict;
+- J(q)/J(u) per step, with each group's realised gradient norm √(Σ A²) (TRL's Bessel std: √(G − 1) or 0) and its
+  realised tokens as the cost: for the prompt stage's q ∝ v̂/√ĉ (v̂ = √(1 − ẑ), ĉ the predicted cost, both from
+  before the visit) and for perfect foresight (q ∝ realised norm / √realised tokens).
 
 Results: benchmarks/results/prompt_predictability.{json,md}.
 """
@@ -34,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as common  # noqa: E402
 
 FORGETTING = (0.0, 0.5, 0.9, 1.0)
+PRIORS = ("fitted", "uniform")
 ALPHA = 0.1
 
 
@@ -103,13 +109,17 @@ def analyse(visits: list[dict], pool: int, g: int) -> dict:
     zero = np.array([max(v["rewards"]) - min(v["rewards"]) <= 1e-12 for v in visits])
     tokens = np.array([v["tokens"] for v in visits])
     steps = np.array([v["step"] for v in visits])
-    # the group's Σ|A| under std scaling: Σ|r − mean| / std (0 for a zero-variance group)
+    # the group's realised gradient norm ∝ √(Σ A²) under TRL's std scaling (√(G − 1), or 0 for a zero-variance group)
     realised = np.array(
         [
-            np.abs(np.array(v["rewards"]) - np.mean(v["rewards"])).sum() / (np.std(v["rewards"], ddof=1) + 1e-4)
+            np.sqrt(
+                (((np.array(v["rewards"]) - np.mean(v["rewards"])) / (np.std(v["rewards"], ddof=1) + 1e-4)) ** 2).sum()
+            )
             for v in visits
         ]
     )
+    per_step = max(len(visits) // max(len(set(steps)), 1), 1)
+    per_epoch = max(pool // per_step, 1)  # steps per epoch of the prompt stage (C = P // K)
     last: dict[int, bool] = {}
     after = {"zero": [], "informative": []}
     for v, z in zip(visits, zero, strict=True):
@@ -124,20 +134,25 @@ def analyse(visits: list[dict], pool: int, g: int) -> dict:
         "p_zero_after_informative": float(np.mean(after["informative"])) if after["informative"] else None,
         "by_forgetting": {},
     }
-    for gamma in FORGETTING:
+    for gamma, prior in [(x, y) for y in PRIORS for x in FORGETTING]:
         h = PromptHistory(pool, g, smoothing=ALPHA, forgetting=gamma, scale="group", seed=0, lag=0)
-        predicted, values = [], []
+        predicted, values, costs = [], [], []
+        step_seen = None
         for d, v in enumerate(visits):
-            value, p_zero, _ = h.predictions()
+            if prior == "fitted" and v["step"] != step_seen and (v["step"] - steps[0]) % per_epoch == 0:
+                h.refit_prior()  # at each epoch's first step, from the visits before it
+            step_seen = v["step"]
+            value, p_zero, cost = h.predictions()  # before this visit: nothing of it is in yet
             predicted.append(float(p_zero[v["prompt"]]))
             values.append(float(value[v["prompt"]]))
+            costs.append(float(cost[v["prompt"]]) * g)  # ĉ per row × G rows: the group's predicted tokens
             h.submit(
                 PromptUpdate(
                     d, [v["prompt"]], torch.tensor([v["rewards"]]), torch.tensor([v["tokens"] / g]), torch.zeros(1)
                 )
             )
             h.apply_until(d)
-        p, values = np.array(predicted), np.array(values)
+        p, values, costs = np.array(predicted), np.array(values), np.array(costs)
         seen = np.array([i > 0 for i in range(len(visits))])  # every visit, first visits included
         base = zero.mean()
         # a draw ∝ (1 − p̂) mixed with uniform: each visit counts with its relative chance under that draw
@@ -149,12 +164,15 @@ def analyse(visits: list[dict], pool: int, g: int) -> dict:
             idx = np.nonzero(steps == step)[0]
             if realised[idx].sum() <= 0:
                 continue
-            s_hat = values[idx] / np.sqrt(np.maximum(tokens[idx], 1.0))
+            s_hat = values[idx] / np.sqrt(np.maximum(costs[idx], 1.0))  # predicted, never the visit's own tokens
             q = (1 - ALPHA) * s_hat / s_hat.sum() + ALPHA / len(idx)
             ratios.append(j_ratio(realised[idx], tokens[idx], q / q.sum()))
             best = realised[idx] / np.sqrt(np.maximum(tokens[idx], 1.0))
             ideal.append(j_ratio(realised[idx], tokens[idx], best / best.sum()))
-        out["by_forgetting"][str(gamma)] = {
+        out["by_forgetting"][f"{gamma} {prior}"] = {
+            "forgetting": gamma,
+            "prior": prior,
+            "prior_at_end": list(h.prior),
             "predicted": float(p[seen].mean()),
             "brier": float(((p - zero) ** 2).mean()),
             "brier_base_rate": float(base * (1 - base)),
@@ -175,8 +193,8 @@ def markdown(res: dict, command: str) -> str:
         f"tokens; P(zero variance | last visit zero-variance) = {res['p_zero_after_zero']:.2f}, "
         f"P(zero variance | last visit informative) = {res['p_zero_after_informative']:.2f}.",
         "",
-        "| forgetting γ | mean predicted P(zero variance) | Brier | Brier, base rate | AUC | zero-variance token "
-        "share under a draw ∝ (1 − p̂), α = 0.1 (uniform: above) | J(q)/J(u), the prompt stage's q | J(q)/J(u), "
+        "| forgetting γ, prior | mean predicted P(zero variance) | Brier | Brier, base rate | AUC | zero-variance "
+        "token share under a draw ∝ (1 − p̂), α = 0.1 (uniform: above) | J(q)/J(u), the prompt stage's q | J(q)/J(u), "
         "perfect foresight |",
         "|---|---|---|---|---|---|---|---|",
     ]

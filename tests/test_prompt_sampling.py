@@ -14,7 +14,13 @@ from trl_costaware.prompts.history import PromptHistory, PromptSampler, PromptUp
 from trl_costaware.prompts.sampling import (
     beta_binomial_pmf,
     draw_prompts,
+    epoch_layout,
+    fit_prior,
     forget_and_update,
+    greso_adapt,
+    greso_keep_probability,
+    greso_select,
+    group_second_moment,
     group_value,
     prompt_distribution,
     success_counts,
@@ -45,9 +51,29 @@ def test_uniform_prior_gives_the_closed_forms():
     pmf = beta_binomial_pmf(torch.ones(1), torch.ones(1), n)
     assert torch.allclose(pmf, torch.full((1, n + 1), 1 / (n + 1), dtype=torch.float64))
     assert zero_variance_probability(pmf).item() == pytest.approx(2 / (n + 1))
-    x = torch.arange(n + 1, dtype=torch.float64) / n
-    assert group_value(pmf, "group").item() == pytest.approx(float((x * (1 - x)).sqrt().mean()))
-    assert group_value(pmf, "none").item() == pytest.approx(float((x * (1 - x)).mean()))
+    # v̂ = √(E Σ A² / (G − 1)): √(1 − ẑ) with TRL's group std; √(ab / ((a+b)(a+b+1))) = √(1/6) unscaled
+    assert group_value(pmf, "group").item() == pytest.approx(math.sqrt(1 - 2 / (n + 1)))
+    assert group_value(pmf, "none").item() == pytest.approx(math.sqrt(1 / 6))
+
+
+@pytest.mark.parametrize("a,b,g", [(1.0, 1.0, 8), (3.0, 0.5, 8), (0.2, 0.1, 16), (7.0, 2.0, 4)])
+def test_second_moment_is_the_mean_of_sum_a_squared(a, b, g):
+    """E[Σ A²] against TRL's advantages on every success count k, weighted by the Beta-binomial pmf: Bessel std
+    ("group", ε = 1e-4 as TRL) and unscaled ("none"); and the "none" closed form (G − 1) ab / ((a+b)(a+b+1))."""
+    pmf = beta_binomial_pmf(torch.tensor([a]), torch.tensor([b]), g)
+    group, none = [], []
+    for k in range(g + 1):
+        r = torch.tensor([1.0] * k + [0.0] * (g - k), dtype=torch.float64)
+        centred = r - r.mean()
+        group.append(float((centred / (r.std() + 1e-4)).pow(2).sum()))
+        none.append(float(centred.pow(2).sum()))
+    assert group_second_moment(pmf, "group").item() == pytest.approx(
+        float(pmf[0] @ torch.tensor(group, dtype=torch.float64)), rel=1e-3
+    )
+    assert group_second_moment(pmf, "none").item() == pytest.approx(
+        float(pmf[0] @ torch.tensor(none, dtype=torch.float64))
+    )
+    assert group_second_moment(pmf, "none").item() == pytest.approx((g - 1) * a * b / ((a + b) * (a + b + 1)))
 
 
 def test_a_solved_prompt_is_worth_less_and_predicted_zero_variance():
@@ -58,7 +84,32 @@ def test_a_solved_prompt_is_worth_less_and_predicted_zero_variance():
     assert zero[0].item() == pytest.approx(17 / 33)
     assert zero[1] < 0.05
     value = group_value(pmf)
-    assert value[0] < 0.5 * value[1]
+    assert value[0] < 0.75 * value[1]
+
+
+def test_the_fitted_prior_lets_a_solved_prompt_become_near_certain():
+    """Under the uniform prior a prompt solved at every visit (G = 8, γ = 0.5) tops out at P(zero) ≈ 0.68; under a
+    prior fitted on a pool of solved and unsolved prompts (U-shaped, a₀, b₀ < 1) it passes 0.95."""
+    g, gamma = 8, 0.5
+    ea = eb = torch.zeros(1, dtype=torch.float64)
+    for _ in range(30):
+        ea, eb = forget_and_update(ea, eb, torch.tensor([8.0]), g, gamma, prior=(0.0, 0.0))
+    uniform = zero_variance_probability(beta_binomial_pmf(1 + ea, 1 + eb, g)).item()
+    assert uniform == pytest.approx(0.68, abs=0.01)
+    pool = torch.tensor([8.0] * 30 + [0.0] * 10 + [3.0, 5.0, 4.0, 6.0, 2.0], dtype=torch.float64)
+    a0, b0 = fit_prior(pool, g)
+    assert a0 < 1 and b0 < 1 and a0 / (a0 + b0) == pytest.approx(float(pool.mean() / g), abs=1e-9)
+    fitted = zero_variance_probability(beta_binomial_pmf(a0 + ea, b0 + eb, g)).item()
+    assert fitted > 0.95
+
+
+def test_fit_prior_recovers_a_beta_binomial_pool():
+    gen = torch.Generator().manual_seed(0)
+    p = torch.distributions.Beta(2.0, 6.0).sample((20000,))
+    k = torch.binomial(torch.full_like(p, 8.0), p, generator=gen)
+    a0, b0 = fit_prior(k, 8)
+    assert a0 == pytest.approx(2.0, rel=0.1) and b0 == pytest.approx(6.0, rel=0.1)
+    assert fit_prior(torch.tensor([8.0]), 8) == (1.0, 1.0) and fit_prior(torch.zeros(5), 8) == (1.0, 1.0)
 
 
 def test_forgetting():
@@ -167,11 +218,11 @@ def test_draws_do_not_depend_on_when_updates_arrive():
 
 
 def test_a_missing_update_is_an_error():
-    h = history()
-    h.draw(0, 4)
-    h.draw(1, 4)
-    with pytest.raises(RuntimeError, match="dataloader_num_workers"):
-        h.draw(2, 4)
+    h = history()  # 16 prompts, K = 4: epochs of 4 draws; epoch 1's plan (draw 4) needs the updates <= 2
+    for t in range(4):
+        h.draw(t, 4)
+    with pytest.raises(RuntimeError, match="gradient_accumulation_steps"):
+        h.draw(4, 4)
 
 
 def test_state_round_trip_reproduces_later_draws():
@@ -225,3 +276,114 @@ def test_an_unseen_pool_is_drawn_uniformly_with_unit_weights():
         rec = h.draw(t, 8)
         assert torch.allclose(rec.weights, torch.ones(8, dtype=torch.float64))
         assert torch.allclose(rec.inclusion, torch.full((8,), 8 / 64, dtype=torch.float64))
+
+
+# ---------------------------------------------------------------- balanced epochs
+def test_epoch_layout_visits_every_prompt_floor_or_ceil_of_c_pi():
+    """Each of the C batches holds K distinct prompts; prompt j is visited ⌊Cπ_j⌋ or ⌈Cπ_j⌉ times in the epoch
+    (uniform q: every prompt exactly once when C K = P, TRL's epoch)."""
+    gen = torch.Generator().manual_seed(1)
+    for p, k, skew in [(128, 16, 3.0), (128, 16, 0.0), (50, 7, 2.0), (12, 4, 6.0)]:
+        c = p // k
+        for _ in range(50):
+            q = torch.rand(p, generator=gen, dtype=torch.float64) ** skew
+            idx, pi = epoch_layout(q / q.sum(), k, c, gen)
+            assert idx.shape == (c, k)
+            assert all(len(set(row.tolist())) == k for row in idx)
+            visits = torch.bincount(idx.flatten(), minlength=p).double()
+            expected = c * pi
+            assert ((visits >= expected.floor() - 1e-9) & (visits <= expected.ceil() + 1e-9)).all()
+            if skew == 0.0:
+                assert (visits == 1).all()
+
+
+def _inclusion_z(layout, q, k, c, epochs, seed):
+    """Monte Carlo of each batch position's inclusion frequencies against π: the largest |z| over (batch, prompt)."""
+    gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(c, q.numel(), dtype=torch.float64)
+    for _ in range(epochs):
+        idx, pi = layout(q, k, c, gen)
+        for r in range(c):
+            counts[r, idx[r]] += 1
+    freq = counts / epochs
+    se = (pi * (1 - pi) / epochs).sqrt().clamp(min=1e-12)
+    return float(((freq - pi) / se).abs().max())
+
+
+def _layout_without_the_residue_shuffle(q, k, draws, generator):
+    """The control: the same single pass, with residue r always going to batch r (no random σ)."""
+    from trl_costaware.core.sampling import inclusion_probabilities
+
+    n = q.numel()
+    pi = inclusion_probabilities(q, k)
+    perm = torch.randperm(n, generator=generator)
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    cum = torch.cumsum(draws * pi[perm], 0)
+    cum = cum * (draws * k / cum[-1])
+    points = u + torch.arange(draws * k, dtype=torch.float64)
+    idx = perm[torch.searchsorted(cum, points, right=True).clamp(max=n - 1)]
+    return idx.view(k, draws).t(), pi
+
+
+def test_each_batch_of_an_epoch_includes_prompt_j_with_probability_pi():
+    """Every batch position c of the epoch includes prompt j with probability exactly π_j (max |z| over 5 × 12
+    cells, 6000 epochs); the control without the random residue order is detected (batch 0 starts on [0, 1), so
+    the prompts laid out at the start are over-drawn there)."""
+    q = torch.tensor([6.0, 5, 4, 3, 2, 2, 1, 1, 1, 0.5, 0.5, 0.25], dtype=torch.float64)
+    q = q / q.sum()
+    k, c = 2, 5
+    assert _inclusion_z(epoch_layout, q, k, c, 6000, 0) < 4.5
+    assert _inclusion_z(_layout_without_the_residue_shuffle, q, k, c, 6000, 0) > 10
+
+
+def test_balanced_epochs_beat_independent_draws_on_coverage():
+    """At uniform q (every prompt unseen) a history's epoch visits each prompt exactly once; independent draws per
+    batch (the old behaviour) miss about a third of the pool per epoch."""
+    h = history(size=128, g=4)
+    h.lag = 10**6
+    seen = torch.zeros(128)
+    for t in range(8):
+        seen[h.draw(t, 16).indices] += 1
+    assert (seen == 1).all()
+    gen = torch.Generator().manual_seed(0)
+    old = torch.zeros(128)
+    for _ in range(8):
+        old[draw_prompts(torch.full((128,), 1 / 128, dtype=torch.float64), 16, gen).indices] += 1
+    assert (old == 0).sum() > 20
+
+
+# ---------------------------------------------------------------- GRESO
+def test_greso_keep_probability_and_adaptation():
+    streak = torch.tensor([0, 1, 2, 3, 50, 2])
+    easy = torch.tensor([False, True, True, False, True, False])
+    keep = greso_keep_probability(streak, easy, 0.5, 0.8)
+    assert torch.allclose(keep, torch.tensor([1.0, 0.5, 0.25, 0.8**3, 0.01, 0.64], dtype=torch.float64))
+    assert greso_adapt(0.5, 0.3, 0.125) == pytest.approx(0.49)
+    assert greso_adapt(0.5, 0.1, 0.125) == pytest.approx(0.51)
+    assert greso_adapt(0.01, 0.9, 0.1) == 0.01 and greso_adapt(1.0, 0.0, 0.1) == 1.0
+
+
+def test_greso_select_walks_in_order_and_stops_at_k():
+    gen = torch.Generator().manual_seed(0)
+    order = torch.arange(10)
+    keep = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0], dtype=torch.float64)
+    kept, consumed = greso_select(order, keep, 3, gen)
+    assert kept.tolist() == [0, 2, 4] and consumed == 5
+    kept, consumed = greso_select(order, torch.zeros(10, dtype=torch.float64), 3, gen)
+    assert kept.tolist() == [] and consumed == 10
+
+
+def test_greso_history_skips_solved_prompts_and_adapts():
+    """Rule "greso": prompts solved at every visit are drawn less and less (n grows), p_easy falls while the batch's
+    share of easy zero-variance groups is above its target; weights stay 1."""
+    g = 4
+    h = PromptHistory(16, g, smoothing=0.1, forgetting=0.5, scale="group", seed=0, lag=1, rule="greso")
+    draws_of_solved = []
+    for t in range(40):
+        rec = h.draw(t, 4)
+        assert len(set(rec.indices)) == 4 and torch.equal(rec.weights, torch.ones(4, dtype=torch.float64))
+        rewards = torch.tensor([[1.0] * g if j < 8 else [1.0, 0.0, 1.0, 0.0] for j in rec.indices])
+        h.submit(PromptUpdate(t, rec.indices, rewards, torch.full((4,), 5.0), torch.full((4,), 3.0)))
+        draws_of_solved.append(sum(j < 8 for j in rec.indices))
+    assert sum(draws_of_solved[-10:]) < sum(draws_of_solved[:10])
+    assert h.greso_p[0] < 0.5 and h.streak[:8].max() >= 2

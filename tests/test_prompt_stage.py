@@ -13,7 +13,6 @@ from test_unbiased import _full_batch_grad
 from trl import GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware.core.sampling import Draw
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
 from trl_costaware.prompts import history as history_module
@@ -96,12 +95,15 @@ def frozen_pool(trainer, monkeypatch):
     return full
 
 
-def skewed_history(trainer):
-    """A history far from uniform: half the prompts look solved, costs differ; frozen (no update is applied)."""
+def skewed_history(trainer, frozen=True):
+    """A history far from uniform: half the prompts look solved, costs differ; frozen (no update is applied), or
+    with the trainer's own lag (the lag path: every batch's update is applied two draws later, the prior refitted
+    at each epoch's plan)."""
     h = trainer._prompt_history
-    h.lag = 10**9
+    if frozen:
+        h.lag = 10**9
     h.seen[:] = True
-    h.a[: POOL // 2], h.b[: POOL // 2] = 40.0, 1.0
+    h.ea[: POOL // 2], h.eb[: POOL // 2] = 400.0, 0.0
     h.prompt[:] = torch.arange(POOL, dtype=torch.float64) + 4
     h.completion[:] = 8.0
     return h
@@ -125,27 +127,41 @@ def bias_along(grads, target):
 
 
 @pytest.mark.parametrize(
-    "loss_type,cost_aware,tolerance",
-    [("grpo", True, 0.0), ("grpo", False, 0.0), ("dapo", True, 0.03)],
-    ids=["grpo-both", "grpo-prompts", "dapo-both"],
+    "loss_type,cost_aware,tolerance,frozen",
+    [
+        ("grpo", True, 0.0, True),
+        ("grpo", False, 0.0, True),
+        ("dapo", True, 0.03, True),
+        ("bnpo", True, 0.03, True),
+        ("cispo", True, 0.03, True),
+        ("vespo", True, 0.03, True),
+        ("grpo", True, 0.0, False),
+    ],
+    ids=["grpo-both", "grpo-prompts", "dapo-both", "bnpo-both", "cispo-both", "vespo-both", "grpo-both-lag"],
 )
 def test_two_stage_estimator_is_unbiased_for_the_full_pool(
-    tmp_path, model_path, pool, monkeypatch, loss_type, cost_aware, tolerance
+    tmp_path, model_path, pool, monkeypatch, loss_type, cost_aware, tolerance, frozen
 ):
     """E[ĝ] = the full-pool GRPOTrainer gradient (TRL's loss on every prompt's group as one batch), with two
-    micro-batches per optimizer step, a history far from uniform and, with cost_aware, the row sampler on top. grpo
-    is exact; dapo's token normaliser is a ratio estimate (an O(1/K) bias, bounded here by `tolerance`)."""
+    micro-batches per optimizer step, a history far from uniform, balanced epochs and, with cost_aware, the row
+    sampler on top. grpo is exact; the token-normalised losses' normaliser is a ratio estimate (an O(1/K) bias,
+    bounded here by `tolerance`). `frozen=False` is the lag path: the history learns from every batch through the
+    trainer's lag, so each epoch's q differs."""
     args = prompt_args(tmp_path, loss_type=loss_type, cost_aware=cost_aware, max_completion_length=12)
     trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=pool)
     trainer.model.train()
     full = frozen_pool(trainer, monkeypatch)
     target = _full_batch_grad(trainer, full)
-    h = skewed_history(trainer)
+    h = skewed_history(trainer, frozen=frozen)
     q = h.distribution(*h.predictions()[::2])
     assert q.max() / q.min() > 3, "the test needs a prompt distribution far from uniform"
     grads = monte_carlo(trainer, 240)
+    if not frozen:  # the updates went in through the lag and moved q from epoch to epoch
+        assert h.applied == 240 - 1 - h.lag - 1 and h.lag == 2
+        plans = {t: tuple(round(w, 6) for w in r.weights.tolist()) for t, r in h.records.items()}
+        assert len(set(plans.values())) > 2
     bias, se, z = bias_along(grads, target)
-    print(f"{loss_type} cost_aware={cost_aware}: bias along g {bias:+.4f} ± {se:.4f}, z {z:.2f}")
+    print(f"{loss_type} cost_aware={cost_aware} frozen={frozen}: bias along g {bias:+.4f} ± {se:.4f}, z {z:.2f}")
     assert abs(bias) <= tolerance + 4 * se, (bias, se, z)
     assert z < 4.0 or abs(bias) <= tolerance, (bias, se, z)
 
@@ -158,13 +174,13 @@ def test_forced_weights_are_detected(tmp_path, model_path, pool, monkeypatch):
     full = frozen_pool(trainer, monkeypatch)
     target = _full_batch_grad(trainer, full)
     skewed_history(trainer)
-    draw = history_module.draw_prompts
+    layout = history_module.epoch_layout
 
-    def forced(q, k, generator):
-        d = draw(q, k, generator)
-        return Draw(d.indices, torch.ones_like(d.weights), d.probabilities)
+    def forced(q, k, draws, generator):  # the layout follows q, but the weights K / (P π) see π = K / P
+        idx, pi = layout(q, k, draws, generator)
+        return idx, torch.full_like(pi, k / len(pi))
 
-    monkeypatch.setattr(history_module, "draw_prompts", forced)
+    monkeypatch.setattr(history_module, "epoch_layout", forced)
     bias, se, z = bias_along(monte_carlo(trainer, 240), target)
     print(f"weights forced to 1: bias along g {bias:+.4f} ± {se:.4f}, z {z:.2f}")
     assert abs(bias) > 6 * se and z > 10, (bias, se, z)
@@ -234,7 +250,7 @@ def _draws(trainer):
 
 def test_resume_reproduces_the_draws(tmp_path, model_path, pool):
     """A run resumed from its step-2 checkpoint makes the uninterrupted run's draws (and weights) from there on."""
-    common = dict(max_steps=6, save_strategy="steps", save_steps=2, cost_aware_seed=7)
+    common = dict(max_steps=6, save_strategy="steps", save_steps=2, seed=7)
     whole = CostAwareGRPOTrainer(
         model_path, [length_reward], args=prompt_args(tmp_path / "a", **common), train_dataset=pool
     )

@@ -34,6 +34,9 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--max-steps", type=int, default=6)
+    p.add_argument("--steps-per-generation", type=int, default=None)  # None: TRL's default (= accumulation steps)
+    p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--rows", type=int, default=4)
     args = p.parse_args()
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
@@ -41,8 +44,9 @@ def main() -> int:
 
     config = CostAwareGRPOConfig(
         output_dir=os.path.join(args.out, "trainer"),
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
+        per_device_train_batch_size=args.rows,
+        gradient_accumulation_steps=args.accumulation,
+        steps_per_generation=args.steps_per_generation,
         num_generations=NUM_GENERATIONS,
         max_completion_length=8,
         max_steps=args.max_steps,
@@ -81,6 +85,7 @@ def main() -> int:
         "b": h.b.tolist(),
         "factors": factors,
         "steps": trainer.state.global_step,
+        "lag": h.lag,
     }
     with open(os.path.join(args.out, f"rank{record['rank']}.json"), "w") as fh:
         json.dump(record, fh)

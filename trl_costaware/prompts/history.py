@@ -1,5 +1,5 @@
 """The prompt stage's state and draw: each prompt's reward history, and the sampler that draws the prompts of each
-generation batch from it (no trainer in sight; the math is in `prompt_sampling.py`).
+generation batch from it (no trainer in sight; the math is in `sampling.py`).
 
 Every rank holds the same history and makes the same draws:
 
@@ -7,7 +7,13 @@ Every rank holds the same history and makes the same draws:
 - draw t uses a generator seeded by (seed, t) alone, and the history as it was after applying the updates of
   generation batches ≤ t − lag, never "whatever has arrived": accelerate's loader draws one batch ahead of training,
   so batch t − 1's rewards may or may not be in when draw t happens, and a rank-dependent answer would split the
-  ranks. Updates that arrive early wait in `pending`. With lag 2 (no loader workers) the update of t − 2 is always in.
+  ranks. Updates that arrive early wait in `pending`. The lag is the smallest the Trainer's read-ahead allows
+  (`stage.loader_lag`: an optimizer step's micro-batches are fetched at once, plus accelerate's one-batch prefetch).
+
+Balanced epochs (rule "cost_aware"): q is frozen for an epoch of C = P // K draws, computed at the epoch's first draw
+from the history then (the prior refitted on the pool), and all K·C slots are laid out in one systematic pass
+(`sampling.epoch_layout`): each prompt is visited ⌊Cπ⌋ or ⌈Cπ⌉ times per epoch and each batch's inclusion
+probabilities are exactly π. Only an epoch's first draw needs the lagged updates; the plan is saved with the history.
 
 A resumed run restores `applied`, `pending` and the posterior arrays, so draw t sees the same history as in the
 uninterrupted run; the draws that TRL's fast-forward skips are made again and thrown away (their updates are in).
@@ -25,9 +31,12 @@ from ..core.sampling import stream_generator
 from .sampling import (
     PRIOR,
     beta_binomial_pmf,
-    draw_prompts,
+    epoch_layout,
+    fit_prior,
     forget_and_update,
-    greso_scores,
+    greso_adapt,
+    greso_keep_probability,
+    greso_select,
     group_value,
     prompt_distribution,
     success_counts,
@@ -36,6 +45,8 @@ from .sampling import (
 
 RULES = ("cost_aware", "greso")
 KEEP_RECORDS = 32  # draws kept for the trainer to match its batches against (the loader is at most a few ahead)
+GRESO_START = 0.5  # GRESO's base keep probabilities (easy and hard) before any adaptation
+GRESO_TARGETS = (0.125, 0.125)  # target shares of (easy, hard) zero-variance prompts per batch: 25% in all
 
 
 @dataclass
@@ -63,7 +74,11 @@ class DrawRecord:
 
 
 class PromptHistory:
-    """The per-prompt posterior (Beta pseudo-counts with forgetting), token means, and the draws made from them."""
+    """The per-prompt posterior (a prior fitted on the pool plus evidence pseudo-counts that decay by γ per visit),
+    token means, GRESO's counters, and the draws made from them.
+
+    rule "cost_aware": balanced epochs of q ∝ v̂/√ĉ with Horvitz–Thompson weights; rule "greso" (a benchmark baseline,
+    biased): GRESO's skip walk over the pool (`sampling.greso_keep_probability`), weights 1."""
 
     def __init__(
         self,
@@ -76,19 +91,29 @@ class PromptHistory:
         seed: int,
         lag: int = 2,
         rule: str = "cost_aware",
-        explore: float = 0.2,
+        greso_targets: tuple[float, float] = GRESO_TARGETS,
     ):
         if rule not in RULES:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.size, self.num_generations = int(size), int(num_generations)
         self.smoothing, self.forgetting, self.scale = smoothing, forgetting, scale
-        self.seed, self.lag, self.rule, self.explore = int(seed), int(lag), rule, explore
-        self.a = torch.full((size,), PRIOR[0], dtype=torch.float64)
-        self.b = torch.full((size,), PRIOR[1], dtype=torch.float64)
+        self.seed, self.lag, self.rule = int(seed), int(lag), rule
+        self.prior = PRIOR  # refitted on the pool at each epoch's plan (`fit_prior`)
+        self.ea = torch.zeros(size, dtype=torch.float64)  # evidence pseudo-counts above the prior, decayed by γ
+        self.eb = torch.zeros(size, dtype=torch.float64)
+        self.last_success = torch.zeros(size, dtype=torch.float64)  # the latest visit's success share
         self.completion = torch.zeros(size, dtype=torch.float64)
         self.prompt = torch.zeros(size, dtype=torch.float64)
         self.seen = torch.zeros(size, dtype=torch.bool)
         self.last_zero_variance = torch.zeros(size, dtype=torch.bool)
+        self.streak = torch.zeros(size, dtype=torch.long)  # consecutive zero-variance visits (GRESO's n)
+        self.easy = torch.zeros(size, dtype=torch.bool)  # the latest zero-variance visit was all-correct
+        self.greso_p = [GRESO_START, GRESO_START]  # (easy, hard)
+        self.greso_targets = tuple(float(x) for x in greso_targets)
+        self.queue: list[int] = []  # GRESO's walk over the pool
+        self.refills = 0
+        self.plan_epoch = -1  # the balanced epoch laid out (rule "cost_aware")
+        self.plan: dict[str, torch.Tensor] = {}
         self.reward_range: tuple[float, float] | None = None
         self.applied = -1  # every update of a draw ≤ applied is in the arrays
         self.pending: dict[int, PromptUpdate] = {}
@@ -113,9 +138,21 @@ class PromptHistory:
         low, high = self.reward_range or (0.0, 1.0)
         successes = success_counts(rewards, low, high)
         g = rewards.shape[1]
-        self.a[idx], self.b[idx] = forget_and_update(self.a[idx], self.b[idx], successes, g, self.forgetting)
+        self.ea[idx], self.eb[idx] = forget_and_update(
+            self.ea[idx], self.eb[idx], successes, g, self.forgetting, prior=(0.0, 0.0)
+        )
+        self.last_success[idx] = successes / g
         spread = torch.nan_to_num(rewards, nan=low)
-        self.last_zero_variance[idx] = (spread.max(1).values - spread.min(1).values) <= 1e-12  # as TRL's zero std
+        zero = (spread.max(1).values - spread.min(1).values) <= 1e-12  # as TRL's zero std
+        easy = zero & (successes >= g / 2)
+        self.last_zero_variance[idx] = zero
+        self.streak[idx] = torch.where(zero, self.streak[idx] + 1, torch.zeros_like(self.streak[idx]))
+        self.easy[idx] = torch.where(zero, easy, self.easy[idx])
+        if self.rule == "greso" and len(idx):
+            shares = (float(easy.double().mean()), float((zero & ~easy).double().mean()))
+            self.greso_p = [
+                greso_adapt(p, s, t) for p, s, t in zip(self.greso_p, shares, self.greso_targets, strict=True)
+            ]
         seen = self.seen[idx]
         mix = self.forgetting
         self.completion[idx] = torch.where(
@@ -133,13 +170,30 @@ class PromptHistory:
             if update is None:
                 raise RuntimeError(
                     f"cost_aware_prompt_sampling: the rewards of generation batch {d} had not arrived when the "
-                    f"prompts of batch {last + self.lag} were drawn (lag {self.lag}). The data loader reads further "
-                    "ahead than the lag allows; use dataloader_num_workers=0."
+                    f"prompts of batch {last + self.lag} were drawn (lag {self.lag}, from "
+                    "gradient_accumulation_steps, steps_per_generation, num_iterations and dataloader_num_workers: "
+                    "stage.loader_lag). The data "
+                    "loader read further ahead than that (a custom get_train_dataloader or sampler?)."
                 )
             self._apply(update)
             self.applied = d
 
     # ------------------------------------------------------------------ the draw
+    @property
+    def a(self) -> torch.Tensor:
+        """The posterior's success pseudo-counts: the pool's prior a₀ plus the decayed evidence."""
+        return self.prior[0] + self.ea
+
+    @property
+    def b(self) -> torch.Tensor:
+        return self.prior[1] + self.eb
+
+    def refit_prior(self) -> None:
+        """The prior fitted on the pool (`fit_prior`) from the seen prompts' latest visits; uniform before two."""
+        seen = self.seen
+        if int(seen.sum()) >= 2:
+            self.prior = fit_prior(self.last_success[seen] * self.num_generations, self.num_generations)
+
     def predictions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(v̂, P(zero variance), ĉ) of every prompt from the current arrays."""
         pmf = beta_binomial_pmf(self.a, self.b, self.num_generations)
@@ -151,26 +205,64 @@ class PromptHistory:
         return value, zero, cost
 
     def distribution(self, value: torch.Tensor, cost: torch.Tensor) -> torch.Tensor:
-        if self.rule == "greso":
-            scores = greso_scores(self.last_zero_variance & self.seen, self.explore)
-            return scores / scores.sum()
+        """q of the cost-aware rule (`prompt_distribution`)."""
         return prompt_distribution(value, cost, self.smoothing)
 
-    def draw(self, t: int, k: int) -> DrawRecord:
-        """Draw t: apply the updates ≤ t − lag, then K prompts from q (generator seeded by (seed, t)). A draw that
-        the Trainer's fast-forward throws away on resume applies nothing new (its updates are in already)."""
-        self.apply_until(t - self.lag)
+    def draws_per_epoch(self, k: int) -> int:
+        return max(self.size // k, 1)
+
+    def _plan_epoch(self, epoch: int, k: int) -> None:
+        """Lay out epoch `epoch` (draws epoch·C .. epoch·C + C − 1): apply the updates ≤ epoch·C − lag, refit the
+        prior, freeze q, and lay out its K·C slots in one systematic pass (generator seeded by (seed, epoch))."""
+        per_epoch = self.draws_per_epoch(k)
+        self.apply_until(epoch * per_epoch - self.lag)
+        self.refit_prior()
         value, zero, cost = self.predictions()
         q = self.distribution(value, cost)
+        indices, pi = epoch_layout(q, k, per_epoch, stream_generator(self.seed, 0, f"prompts/epoch{epoch}"))
+        self.plan_epoch = epoch
+        self.plan = {"indices": indices, "inclusion": pi, "zero": zero, "cost": cost}
+
+    def _draw_greso(self, t: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """GRESO's walk: prompts off a queue of pool permutations, each kept with max(pⁿ, 1%) until K are kept."""
+        self.apply_until(t - self.lag)
+        keep = greso_keep_probability(self.streak, self.easy, *self.greso_p)
         generator = stream_generator(self.seed, 0, f"prompts/{t}")
-        draw = draw_prompts(q, k, generator)
-        idx = draw.indices
-        weights = draw.weights if self.rule == "cost_aware" else torch.ones(k, dtype=torch.float64)
+        kept: list[int] = []
+        while len(kept) < k:
+            if not self.queue:
+                refill = stream_generator(self.seed, 0, f"prompts/greso_queue{self.refills}")
+                self.queue = torch.randperm(self.size, generator=refill).tolist()
+                self.refills += 1
+            taken = set(kept)
+            order = torch.tensor([j for j in self.queue if j not in taken], dtype=torch.long)
+            if not len(order):
+                self.queue = []
+                continue
+            sel, consumed = greso_select(order, keep, k - len(kept), generator)
+            kept += sel.tolist()
+            self.queue = order[consumed:].tolist()
+        return torch.tensor(kept, dtype=torch.long), keep
+
+    def draw(self, t: int, k: int) -> DrawRecord:
+        """Draw t. Rule "cost_aware": row t mod C of epoch t // C's layout (laid out at the epoch's first draw, or
+        restored from a checkpoint), weights K / (P π_j). Rule "greso": GRESO's walk, weights 1."""
+        if self.rule == "greso":
+            idx, keep = self._draw_greso(t, k)
+            _, zero, cost = self.predictions()
+            weights, inclusion = torch.ones(k, dtype=torch.float64), keep[idx]
+        else:
+            epoch, c = divmod(t, self.draws_per_epoch(k))
+            if epoch != self.plan_epoch or self.plan["indices"].shape[1] != k:
+                self._plan_epoch(epoch, k)
+            idx, zero, cost = self.plan["indices"][c], self.plan["zero"], self.plan["cost"]
+            inclusion = self.plan["inclusion"][idx]
+            weights = k / (self.size * inclusion)
         rec = DrawRecord(
             draw=t,
             indices=idx.tolist(),
             weights=weights,
-            inclusion=draw.probabilities[idx],
+            inclusion=inclusion,
             predicted_zero_variance=zero[idx],
             predicted_cost=cost[idx],
             uniform_cost=float(cost.mean()),
@@ -209,8 +301,13 @@ class PromptHistory:
         }
         low, high = self.reward_range if self.reward_range is not None else (float("nan"), float("nan"))
         return {
-            "a": self.a, "b": self.b, "completion": self.completion, "prompt": self.prompt, "seen": self.seen,
-            "last_zero_variance": self.last_zero_variance, "reward_range": torch.tensor([low, high]),
+            "ea": self.ea, "eb": self.eb, "prior": torch.tensor(self.prior, dtype=torch.float64),
+            "last_success": self.last_success, "completion": self.completion, "prompt": self.prompt,
+            "seen": self.seen, "last_zero_variance": self.last_zero_variance, "streak": self.streak,
+            "easy": self.easy, "greso_p": torch.tensor(self.greso_p, dtype=torch.float64),
+            "queue": torch.tensor(self.queue, dtype=torch.long), "refills": self.refills,
+            "plan_epoch": self.plan_epoch, "plan": dict(self.plan),
+            "reward_range": torch.tensor([low, high]),
             "applied": self.applied, "taken": self.taken, "pending": pending, "size": self.size,
         }  # fmt: skip
 
@@ -220,8 +317,13 @@ class PromptHistory:
                 f"cost_aware_prompt_sampling: the checkpoint's prompt history covers {int(state['size'])} prompts, "
                 f"this run's train_dataset has {self.size}: resume with the same data set."
             )
-        for name in ("a", "b", "completion", "prompt", "seen", "last_zero_variance"):
+        names = ("ea", "eb", "last_success", "completion", "prompt", "seen", "last_zero_variance", "streak", "easy")
+        for name in names:
             setattr(self, name, state[name].clone())
+        self.prior = tuple(state["prior"].tolist())
+        self.greso_p = state["greso_p"].tolist()
+        self.queue, self.refills = state["queue"].tolist(), int(state["refills"])
+        self.plan_epoch, self.plan = int(state["plan_epoch"]), {k: v.clone() for k, v in state["plan"].items()}
         low, high = state["reward_range"].tolist()
         self.reward_range = None if low != low else (low, high)
         self.applied, self.taken = int(state["applied"]), int(state["taken"])

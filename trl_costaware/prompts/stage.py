@@ -1,6 +1,6 @@
 """The prompt stage's trainer mixin: draws each generation batch's prompts with `PromptSampler` and weights their rows.
 
-Wiring only; the math is in `prompt_sampling.py` and the state in `prompt_history.py` (docs/prompt_sampling.md).
+Wiring only; the math is in `sampling.py` and the state in `history.py` (docs/prompt_sampling.md).
 With `cost_aware_prompt_sampling=True`:
 
 - the train dataset gets a column `cost_aware_prompt_index` (its row index) at construction, and TRL's train
@@ -50,10 +50,21 @@ def with_index_column(dataset):
 
 
 def loader_lag(args) -> int:
-    """Draws between a generation batch's draw and the first draw allowed to see its rewards: 2 (the loader reads
-    one batch ahead), plus every batch loader workers may hold in advance."""
+    """Draws between a generation batch's draw and the first draw allowed to see its rewards, counted in generation
+    batches: L = ⌈(A + 1 + W) / R⌉ (at least 1), with
+
+    - R = steps_per_generation × num_iterations: loader batches per generation batch (TRL repeats each one R times;
+      draw d is made when loader batch d·R is read);
+    - A = gradient_accumulation_steps: the Trainer fetches an optimizer step's A loader batches before training on
+      any of them, and accelerate's loader reads one more ahead (the + 1), so draw d is made at the start of the
+      optimizer step holding loader batch d·R − 1, when only generation batches d' with d'·R ≤ d·R − A − 1 are in;
+    - W = dataloader_num_workers × dataloader_prefetch_factor: the batches loader workers may hold in advance.
+
+    spg = A (TRL's default): 2; spg = 1, A = 2: 3; spg ≥ A + 1: 1 (the previous batch's rewards are always in)."""
+    repeats = max(int(args.steps_per_generation or args.gradient_accumulation_steps) * int(args.num_iterations), 1)
     workers = int(args.dataloader_num_workers or 0)
-    return 2 + workers * int(args.dataloader_prefetch_factor or 2) if workers else 2
+    ahead = int(args.gradient_accumulation_steps) + 1 + workers * int(args.dataloader_prefetch_factor or 2)
+    return max(1, -(-ahead // repeats))
 
 
 class PromptStage:
@@ -75,7 +86,7 @@ class PromptStage:
                 smoothing=a.cost_aware_prompt_smoothing,
                 forgetting=a.cost_aware_prompt_forgetting,
                 scale=a.scale_rewards,
-                seed=a.seed if a.cost_aware_seed is None else a.cost_aware_seed,
+                seed=a.seed,
                 lag=loader_lag(a),
             )
 
