@@ -168,3 +168,46 @@ def test_noise_scale_reads_the_device_gradient(tmp_path, tiny_model_path, datase
     assert not misplaced, misplaced
     assert transfers == {"sampler": 1, "post_processing": 1}, transfers
     assert metrics["cost_aware/compute_rule_fallback"][-1] == 0.0  # the rule used the measured ρ
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("partition", ["some", "empty"])
+def test_noise_scale_zero1_reads_on_device(tmp_path, tiny_model_path, dataset, monkeypatch, partition):
+    """DeepSpeed ZeRO-1's read (`_observe_engine_gradient`: this rank's partition of the averaged gradient, summed
+    over ranks by one all-reduce) on the emulated device, also for a rank whose partition is empty (its terms are 0
+    on the engine's device). The all-reduce is emulated: it checks its tensor lives on the device and adds the other
+    rank's terms. 1 transfer per optimizer step."""
+    from trl_costaware.kept_count.step_signals import ZERO1
+
+    args = make_args(tmp_path, max_steps=1, cost_aware_kept_fraction="compute")
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer.model.train()
+    trainer._gradient_source, trainer._noise_available, trainer._step_rows = ZERO1, True, 16.0
+    other = torch.tensor([3.0, 2.0, 1.0])  # the other rank's |G|², G·G' and pairing flag
+    reduced = []
+
+    def all_reduce(terms, group=None):
+        assert is_marked(terms), "the all-reduce was sent a host tensor"
+        terms.add_(other.to(terms.device))
+        reduced.append(terms.clone())
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    generator = torch.Generator().manual_seed(0)
+    optimizer = type("ZeroOptimizer", (), {"dp_process_group": None, "averaged_gradients": {}})()
+    engine = type("Engine", (), {"optimizer": optimizer, "device": FAKE, "fp16_enabled": lambda self: False})()
+    mode = NoFloat64Device()
+    squares = []
+    for step in range(2):
+        trainer.state.global_step, trainer._generation_index = step, step + 1
+        grads = [torch.randn(5, generator=generator), torch.randn(3, 2, generator=generator)]
+        with mode:
+            optimizer.averaged_gradients = {0: [mark(g.clone()) for g in grads] if partition == "some" else []}
+            before = mode.transfers
+            trainer._observe_engine_gradient(engine)
+            assert mode.transfers - before == 1
+        own = float(sum((g.double() ** 2).sum() for g in grads)) if partition == "some" else 0.0
+        squares.append(own + 3.0)
+    assert len(reduced) == 2
+    assert trainer._metrics["train"]["cost_aware/noise_grad_sq"] == pytest.approx(squares, rel=1e-5)
+    assert len(trainer._metrics["train"]["cost_aware/noise_grad_dot"]) == 1  # the second step pairs with the first
