@@ -36,9 +36,11 @@ def trl_reduction(per_rank: list[dict]) -> dict[str, float]:
     }
 
 
+MODES = ("token_truncate", "sequence_mask")
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("mode", ["token_truncate", "sequence_mask"])
-def test_vllm_ratio_metrics_with_a_rank_without_real_micro_batch(tiny_model_path, tmp_path, mode):
+def test_vllm_ratio_metrics_with_a_rank_without_real_micro_batch(tiny_model_path, tmp_path):
     """Rank 1 without a real micro-batch (every position a no-op): no error, no hang, both ranks log the same five
     `sampling/*` metrics, equal to TRL's reduction of rank 0's statistics with rank 1 counting as a rank without a
     token; the buffer's counters are the same on both ranks. The control case (both ranks real) is reduced alike."""
@@ -56,30 +58,34 @@ def test_vllm_ratio_metrics_with_a_rank_without_real_micro_batch(tiny_model_path
         str(tiny_model_path),
         "--out",
         str(out),
-        "--mode",
-        mode,
+        "--modes",
+        ",".join(MODES),
     ]
     run(cmd, tmp_path / "log.txt", timeout=TIMEOUT)
     r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
     assert r0["world_size"] == r1["world_size"] == 2
-    empty, both = (r0["empty"], r1["empty"]), (r0["both"], r1["both"])
-    assert empty[1]["stats"]["real"] == 0 and empty[1]["positions"] == 2  # the case meant: no real micro-batch
-    assert empty[0]["stats"]["real"] >= 1 and empty[0]["stats"]["tokens"] > 0
-    assert all(b["stats"]["real"] >= 1 for b in both)
-    for ranks in (empty, both):
-        assert ranks[0]["metrics"] == ranks[1]["metrics"]  # one value each, the same on both ranks
-        assert ranks[0]["totals"] == ranks[1]["totals"]
-        expected = trl_reduction([r["stats"] for r in ranks])
-        for key, value in expected.items():
-            logged = ranks[0]["metrics"][key]
-            assert len(logged) == 1, (key, logged)
-            assert logged[0] == pytest.approx(value, rel=1e-5, abs=1e-6), key
-    # rank 1 counts 0: the means are half of rank 0's own, the minimum ratio 0 (TRL's rule for a rank without a token)
-    mean_key = "sampling/importance_sampling_ratio/mean"
-    assert r0["empty"]["metrics"][mean_key][0] == pytest.approx(empty[0]["stats"]["ratio_mean"] / 2, rel=1e-5)
-    assert r0["empty"]["metrics"]["sampling/importance_sampling_ratio/min"] == [0.0]
-    if mode.endswith("truncate"):  # (a masked ratio is 0 anyway)
-        assert r0["both"]["metrics"]["sampling/importance_sampling_ratio/min"][0] >= 0.8  # clip_min: no rank counts 0
+    for mode in MODES:
+        empty, both = (r0[mode]["empty"], r1[mode]["empty"]), (r0[mode]["both"], r1[mode]["both"])
+        assert empty[1]["stats"]["real"] == 0 and empty[1]["positions"] == 2  # the case meant: no real micro-batch
+        assert empty[0]["stats"]["real"] >= 1 and empty[0]["stats"]["tokens"] > 0
+        assert all(b["stats"]["real"] >= 1 for b in both)
+        for ranks in (empty, both):
+            assert ranks[0]["metrics"] == ranks[1]["metrics"]  # one value each, the same on both ranks
+            assert ranks[0]["totals"] == ranks[1]["totals"]
+            expected = trl_reduction([r["stats"] for r in ranks])
+            for key, value in expected.items():
+                logged = ranks[0]["metrics"][key]
+                assert len(logged) == 1, (mode, key, logged)
+                assert logged[0] == pytest.approx(value, rel=1e-5, abs=1e-6), (mode, key)
+        # rank 1 counts 0: the means are half of rank 0's own, the minimum ratio 0 (TRL's rule for a rank without
+        # a token)
+        metrics = empty[0]["metrics"]
+        assert metrics["sampling/importance_sampling_ratio/mean"][0] == pytest.approx(
+            empty[0]["stats"]["ratio_mean"] / 2, rel=1e-5
+        )
+        assert metrics["sampling/importance_sampling_ratio/min"] == [0.0]
+        if mode.endswith("truncate"):  # (a masked ratio is 0 anyway)
+            assert both[0]["metrics"]["sampling/importance_sampling_ratio/min"][0] >= 0.8  # clip_min: no rank at 0
 
 
 @pytest.mark.parametrize("empty", [0, 1], ids=["logging-rank-empty", "other-rank-empty"])

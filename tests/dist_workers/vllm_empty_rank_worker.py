@@ -12,7 +12,8 @@ that every branch of the ratio acts. Each case generates one generation batch pe
            draw can, and `_log_vllm_ratio` must then still take part in the gather)
     both   both ranks as the layout made them (the control)
 
-Each rank writes rank{r}.json: per case, the five `sampling/*` metrics it logged, its counters, and, from its own real
+Both cases run for each vLLM importance-sampling mode given (one launch). Each rank writes rank{r}.json: per mode and
+case, the five `sampling/*` metrics it logged, its counters, and, from its own real
 micro-batches (computed here the way TRL computes them over its batch), its per-rank statistics, so that the parent
 can reduce them over ranks as TRL does and compare.
 """
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--mode", default="token_truncate")
+    p.add_argument("--modes", default="token_truncate,sequence_mask", help="vLLM IS modes, one pair of cases each")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     stand_in_vllm()
@@ -116,7 +117,6 @@ def main(argv=None) -> int:
         beta=0.0,
         use_vllm=True,
         vllm_mode="colocate",
-        vllm_importance_sampling_mode=args.mode,
         vllm_importance_sampling_clip_min=0.8,
         vllm_importance_sampling_clip_max=1.25,
         cost_aware_kept_fraction=0.5,
@@ -139,7 +139,9 @@ def main(argv=None) -> int:
 
     trainer._pack_buffer = pack
     results = {}
-    for case in ("empty", "both"):
+    cases = [(mode, case) for mode in args.modes.split(",") for case in ("empty", "both")]
+    for mode, case in cases:
+        trainer.vllm_importance_sampling_mode = mode  # TRL's attribute, read per generation batch
         empty_here["on"] = case == "empty" and _rank() == 1
         for key in VLLM_METRICS:
             trainer._metrics["train"][key].clear()
@@ -147,10 +149,10 @@ def main(argv=None) -> int:
         trainer._prepare_inputs(next(batches))
         chunks = trainer._buffered_inputs
         real = [c for c in chunks if not c.get(NOOP_KEY)]
-        results[case] = {
+        results.setdefault(mode, {})[case] = {
             "metrics": {key: list(trainer._metrics["train"][key]) for key in VLLM_METRICS},
             "totals": dict(trainer._cost_aware_totals),
-            "stats": rank_statistics(real, args.mode.startswith("sequence")),
+            "stats": rank_statistics(real, mode.startswith("sequence")),
             "positions": len(chunks),
         }
     trainer.accelerator.wait_for_everyone()
