@@ -291,3 +291,15 @@ def test_iterable_dataset_is_refused(tmp_path, model_path, pool):
 def test_config_refusals_name_the_field(tmp_path, field, value, match):
     with pytest.raises(ValueError, match=match):
         CostAwareGRPOConfig(output_dir=str(tmp_path), use_cpu=True, cost_aware_prompt_sampling=True, **{field: value})
+
+
+def test_the_greso_rule_trains_with_unit_weights(tmp_path, model_path, pool):
+    """The benchmark's GRESO rule through the trainer: it trains, every weight is 1, its counters move."""
+    args = prompt_args(tmp_path, max_steps=4)
+    trainer = CostAwareGRPOTrainer(model_path, [constant_reward], args=args, train_dataset=pool)
+    trainer._prompt_history.rule = "greso"
+    trainer.train()
+    h = trainer._prompt_history
+    assert trainer.state.global_step == 4 and h.taken == 3
+    assert all(torch.equal(r.weights, torch.ones(K, dtype=torch.float64)) for r in h.records.values())
+    assert h.streak.max() >= 1 and h.greso_p[0] != 0.5  # constant rewards: every visit zero-variance and "easy"
