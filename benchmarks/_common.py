@@ -5,8 +5,8 @@ The testbed harness (`run_arm`, `ARMS`): one arm for one seed, in this process, 
 arms of a seed side by side in one process with it; other benchmarks may reuse it (arms are plain data).
 
 Every run writes the trainer's `cost_aware_metrics.jsonl` and `cost_aware_run.json` to its output dir (read by
-`trl_costaware.tracking.compare`). (The subprocess runner `train_one`/`run_many` went with `overhead.py`, retired in issue 33:
-`git show 5b408c2:benchmarks/_common.py`.)
+`trl_costaware.tracking.compare`). (The subprocess runner `train_one`/`run_many` went with `overhead.py`, retired in
+issue 33: `git show 5b408c2:benchmarks/_common.py`.)
 """
 
 from __future__ import annotations
@@ -90,11 +90,11 @@ ARMS: dict[str, dict] = {
     },
     "cost_aware_0.5_group_by_length": {
         "trainer": "cost_aware",
-        "settings": {**HALF, "cost_aware_group_by_length": True, **NONE},
+        "settings": {**HALF, "cost_aware_layout": "even_by_length", **NONE},
     },
     "cost_aware_0.5_full_micro": {
         "trainer": "cost_aware",
-        "settings": {**HALF, "cost_aware_full_micro_batches": True, **NONE},
+        "settings": {**HALF, "cost_aware_layout": "full", **NONE},
     },
     # Issue 25's rule: the kept count that minimises the predicted cost to the target. Priced by this machine's
     # measured phase times (the CPU-like split), or by the token model at a published GPU split (the price of a
@@ -120,16 +120,9 @@ ARMS: dict[str, dict] = {
     # the controls of both_half: the same halved prompt count without the prompt stage (rows only), and GRPO's
     "cost_aware_0.5_half": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "per_device_train_batch_size": 512}},
 }
-# The same rule with the noise scale scaled by 0.3: the median (0.32) of the measured response of the steps to
-# halving the batch over the model's prediction, on the four regime-matrix cells that have GRPO-half runs
-# (BENCHMARKS.md §8, benchmarks/noise_scale_check.py): 0.31, 0.33, 0.22, 0.63.
-NOISE_FACTOR = 0.3
-for _name in ("cost_aware_compute", "cost_aware_compute_gen55", "cost_aware_compute_gen77"):
-    _spec = ARMS[_name]
-    ARMS[_name.replace("compute", "compute_cal", 1)] = {
-        "trainer": "cost_aware",
-        "settings": {**_spec["settings"], "cost_aware_noise_scale_factor": NOISE_FACTOR},
-    }
+# The arms `cost_aware_compute_cal*` (the same rule with the noise scale × 0.3, BENCHMARKS.md §8.3) are retired with
+# the field `cost_aware_noise_scale_factor` (issue 38's audit); their runs stay published and `regime_analysis.py`
+# still reads them. The code that ran them: `git show f6021f1:benchmarks/_common.py`.
 # GRPO's tokens per step on each testbed (token_efficiency_full_<testbed>.json, BENCHMARKS §7): generated tokens G and
 # policy tokens P (prompt + completion of every row).
 GRPO_TOKENS_PER_STEP = {"default": (7224.0, 12334.0), "long": (5839.0, 6351.0)}

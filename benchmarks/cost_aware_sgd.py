@@ -135,7 +135,7 @@ def make_problem(
 
 
 def sampler_distribution(name: str, G: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """The sampling distribution p (float64 numpy), built with trl_costaware.core.sampling (G plays the role of |A|)."""
+    """The sampling distribution p (float64 numpy), from trl_costaware.core.sampling (G plays the role of |A|)."""
     g_t, c_t = torch.as_tensor(G, dtype=torch.float64), torch.as_tensor(c, dtype=torch.float64)
     if name == "uniform":
         scores = sampling.sampling_scores(g_t, c_t, proxy="uniform")

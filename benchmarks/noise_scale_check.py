@@ -4,11 +4,11 @@
     python benchmarks/noise_scale_check.py --cells default,long --steps 25
 
 For each cell, the noise scale ρ = B_noise / N at the cell's start, measured as the "compute" rule measures it
-(`trl_costaware/kept_count/step_signals.py`) but with the learning rate at 0, so that the parameters do not move and consecutive
-steps' gradients are independent draws at one point (no drift between them): ρ = (mean |G_t|² − mean G_t·G_{t−1}) /
-mean G_t·G_{t−1} over `--steps` generation batches of the cell's recipe, every informative row kept (I = 0), with a
-bootstrap interval over steps. The model the rule uses predicts that halving the batch multiplies the steps to a
-target by (1 + 2ρ) / (1 + ρ). The cell's measured response is GRPO on half the prompts against GRPO (steps to the
+(`trl_costaware/kept_count/step_signals.py`) but with the learning rate at 0, so that the parameters do not move and
+consecutive steps' gradients are independent draws at one point (no drift between them): ρ = (mean |G_t|² − mean
+G_t·G_{t−1}) / mean G_t·G_{t−1} over `--steps` generation batches of the cell's recipe, every informative row kept (I =
+0), with a bootstrap interval over steps. The model the rule uses predicts that halving the batch multiplies the steps
+to a target by (1 + 2ρ) / (1 + ρ). The cell's measured response is GRPO on half the prompts against GRPO (steps to the
 target, paired seeds): from the regime matrix's runs for the variance-limited cells, from the committed
 token-efficiency runs (`compute_to_target.json`) for the testbeds as they are. The ρ that would explain it is
 ρ_eff = (r − 1) / (2 − r), and ρ_eff / ρ is the factor by which the model over- (< 1) or under-predicts.

@@ -23,8 +23,9 @@ Proxies compared (`trl_costaware.rows.proxy`, docs/budget_and_proxy.md §1):
 
 Reported per loss type and batch: Pearson (and Spearman) between proxy and G_i over all rows and over the
 informative rows (A_i != 0), and the cost factor of sampling ∝ proxy/√c against the optimum ∝ G_i/√c:
-J(p)/J(p*) = 1 + χ²(r*‖r) (docs/algorithm.md §1), from `trl_costaware.core.sampling`. The in-sample best γ (the grid value
-with the smallest J(p)/J(p*) per batch, median over batches) is reported per loss type to check the fixed default.
+J(p)/J(p*) = 1 + χ²(r*‖r) (docs/algorithm.md §1), from `trl_costaware.core.sampling`. The in-sample best γ (the grid
+value with the smallest J(p)/J(p*) per batch, median over batches) is reported per loss type to check the fixed
+default.
 """
 
 from __future__ import annotations

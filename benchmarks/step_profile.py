@@ -70,7 +70,7 @@ ARMS = {
     "cost_aware_packed": {
         "cost_aware": True,
         "cost_aware_weight_normalization": "none",
-        "cost_aware_full_micro_batches": True,
+        "cost_aware_layout": "full",
     },
 }
 

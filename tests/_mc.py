@@ -183,7 +183,7 @@ def pipeline_projection(fz: Frozen) -> float:
 
 def settings_for(fz: Frozen, kept, method) -> PlanSettings:
     """The trainer's own PlanSettings, with the kept rule and the weights of the cell (floor 0 for "recenter", as the
-    config sets it)."""
+    plan sets it)."""
     base = PlanSettings.from_args(fz.trainer.args, fz.trainer._zero_advantage_carries_gradient)
     return replace(
         base, kept_fraction=kept, weight_normalization=method, weight_floor=0.0 if method == "recenter" else None
@@ -193,7 +193,6 @@ def settings_for(fz: Frozen, kept, method) -> PlanSettings:
 def _set_rule(trainer, kept, method):
     trainer.args.cost_aware_kept_fraction = kept
     trainer.args.cost_aware_weight_normalization = method
-    trainer.args.cost_aware_weight_floor = 0.0 if method == "recenter" else None
 
 
 def row_probes(fz: Frozen, kept, monkeypatch) -> tuple[torch.Tensor, int]:

@@ -1,6 +1,6 @@
-"""The "compute" rule's math (`trl_costaware/kept_count/compute_budget.py`): its limits, its search against an exhaustive one, the
-expected kept tokens against real draws, and the gradient noise scale against a brute-force computation from
-per-row gradients of a tiny model."""
+"""The "compute" rule's math (`trl_costaware/kept_count/compute_budget.py`): its limits, its search against an
+exhaustive one, the expected kept tokens against real draws, and the gradient noise scale against a brute-force
+computation from per-row gradients of a tiny model."""
 
 from __future__ import annotations
 

@@ -187,10 +187,8 @@ def test_other_rules_read_no_gradient(model_path, tmp_path):
     [
         ("cost_aware_cost_model", "flops", "cost_aware_cost_model must be one of"),
         ("cost_aware_generation_token_cost", 0.0, "cost_aware_generation_token_cost"),
-        ("cost_aware_noise_ema", 1.0, "cost_aware_noise_ema"),
-        ("cost_aware_noise_scale_factor", -0.5, "cost_aware_noise_scale_factor"),
         ("cost_aware_token_budget", 100, "both choose the kept row count"),
-        ("cost_aware_full_micro_batches", True, "needs a fixed cost_aware_kept_fraction"),
+        ("cost_aware_layout", "full", "needs a fixed cost_aware_kept_fraction"),
     ],
 )
 def test_config_refuses(tmp_path, field, value, match):
@@ -204,26 +202,9 @@ def test_config_parses_the_rule_from_text(tmp_path):
         make_args(tmp_path, cost_aware_kept_fraction="cheapest")
 
 
-def test_noise_scale_factor_scales_what_the_rule_sees(model_path, tmp_path, monkeypatch):
-    """factor 0: once the noise scale has an estimate, the rule sees ρ = 0 and keeps the fewest rows it may."""
-    seen = []
-    original = trainer_module.plan_batch
-
-    def record(rows, settings, generator=None, collective=None, signal=None):
-        plan = original(rows, settings, generator, collective, signal)
-        seen.append((settings, signal, plan))
-        return plan
-
-    monkeypatch.setattr(trainer_module, "plan_batch", record)
-    trainer = train(model_path, make_args(tmp_path, max_steps=4, cost_aware_noise_scale_factor=0.0))
-    assert trainer._noise.ratio is not None and trainer._noise.ratio > 0  # measured, then scaled away
-    for settings, signal, plan in seen[2:]:
-        assert signal.rho == 0.0 and plan.rule_m == settings.kept_multiple
-
-
 def test_rule_sees_the_estimators_noise_scale(model_path, tmp_path):
-    """The signal handed to the plan carries the noise scale's current ratio times the factor (None before the first
-    pair of steps), whatever the plan then does with it."""
+    """The signal handed to the plan carries the noise scale's current ratio (None before the first pair of steps),
+    whatever the plan then does with it."""
 
     class Watching(CostAwareGRPOTrainer):
         def _init_compute_signals(self):
@@ -235,9 +216,9 @@ def test_rule_sees_the_estimators_noise_scale(model_path, tmp_path):
             self.pairs.append((self._noise.ratio, signal.rho))
             return signal
 
-    trainer = train(model_path, make_args(tmp_path, max_steps=4, cost_aware_noise_scale_factor=0.5), Watching)
+    trainer = train(model_path, make_args(tmp_path, max_steps=4), Watching)
     assert trainer.pairs[0] == (None, None)
-    assert all(rho == pytest.approx(0.5 * ratio) for ratio, rho in trainer.pairs[2:])
+    assert all(rho == pytest.approx(ratio) for ratio, rho in trainer.pairs[2:])
     assert len({ratio for ratio, _ in trainer.pairs[2:]}) > 1  # the estimate moves from batch to batch
 
 
@@ -345,9 +326,7 @@ def bare_host(source):
     host.args = SimpleNamespace(
         cost_aware=True,
         cost_aware_kept_fraction="compute",
-        cost_aware_noise_ema=0.9,
         cost_aware_budget_delta=0.1,
-        cost_aware_noise_scale_factor=1.0,
         cost_aware_cost_model="tokens",
         cost_aware_generation_token_cost=1.2,
     )

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 
 from trl_costaware import CostAwareGRPOConfig
@@ -11,10 +14,22 @@ def make(tmp_path, **kwargs):
     return CostAwareGRPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=False, **kwargs)
 
 
-@pytest.mark.parametrize("seed", ["x", 1.5, -1, True])
-def test_bad_sampler_seed_refused(tmp_path, seed):
-    with pytest.raises(ValueError, match=r"cost_aware_seed must be a whole number >= 0 or None"):
-        make(tmp_path, cost_aware_seed=seed)
+@pytest.mark.parametrize(
+    "name,value,replacement",
+    [
+        ("cost_aware_full_micro_batches", True, "use cost_aware_layout='full'"),
+        ("cost_aware_group_by_length", True, "use cost_aware_layout='even_by_length'"),
+        ("cost_aware_seed", 3, "seeded by `seed`"),
+        ("cost_aware_weight_floor", 0.0, "no replacement"),
+        ("cost_aware_noise_scale_factor", 0.3, "no replacement"),
+        ("cost_aware_noise_ema", 0.9, "NOISE_EMA"),
+    ],
+)
+def test_removed_field_is_refused_naming_its_replacement(tmp_path, name, value, replacement):
+    """A field the audit removed is refused at construction, with what replaces it, whatever its value."""
+    with pytest.raises(ValueError, match=rf"{name} was removed: .*{re.escape(replacement)}"):
+        make(tmp_path, **{name: value})
+    assert name not in {f.name for f in dataclasses.fields(CostAwareGRPOConfig)}
 
 
 @pytest.mark.parametrize("budget", [0.5, 0, -3, "100", True, 99.5])
@@ -24,11 +39,9 @@ def test_bad_token_budget_refused(tmp_path, budget):
 
 
 def test_whole_values_accepted_as_ints(tmp_path):
-    args = make(tmp_path, cost_aware_seed=3.0, cost_aware_token_budget=4096.0)
-    assert (args.cost_aware_seed, args.cost_aware_token_budget) == (3, 4096)
-    assert type(args.cost_aware_seed) is int and type(args.cost_aware_token_budget) is int
-    args = make(tmp_path, cost_aware_seed=0, cost_aware_token_budget=1)
-    assert (args.cost_aware_seed, args.cost_aware_token_budget) == (0, 1)
+    args = make(tmp_path, cost_aware_token_budget=4096.0)
+    assert args.cost_aware_token_budget == 4096 and type(args.cost_aware_token_budget) is int
+    assert make(tmp_path, cost_aware_token_budget=1).cost_aware_token_budget == 1
 
 
 def test_unknown_loss_type_refused_at_config_time(tmp_path, monkeypatch):
@@ -84,10 +97,10 @@ def test_kept_fraction_from_text(tmp_path, value):
 
 
 def test_full_micro_batches_need_a_fixed_fraction(tmp_path):
-    kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, cost_aware_full_micro_batches=True)
+    kw = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, cost_aware_layout="full")
     assert make(tmp_path, **kw).cost_aware_kept_fraction == 0.5  # unset: the default fraction
     for rule in ("auto", "compute"):
-        with pytest.raises(ValueError, match=r"cost_aware_full_micro_batches=True needs a fixed cost_aware_kept"):
+        with pytest.raises(ValueError, match=r"cost_aware_layout='full' needs a fixed cost_aware_kept"):
             make(tmp_path, cost_aware_kept_fraction=rule, **kw)
     args = make(tmp_path, cost_aware_kept_fraction=0.5, **kw)
     assert args.cost_aware_kept_fraction == 0.5

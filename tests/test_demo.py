@@ -1,4 +1,5 @@
-"""`make demo` (trl_costaware.scripts.demo): the target rule, tokens and compute to target, and the summary of a tiny run."""
+"""`make demo` (trl_costaware.scripts.demo): the target rule, tokens and compute to target, the summary of a tiny
+run."""
 
 import json
 

@@ -127,7 +127,7 @@ def test_deferred_log_prob_passes_on_device(tmp_path, tiny_model_path, dataset, 
     [
         {},
         {"loss_type": "bnpo"},
-        {"cost_aware_group_by_length": True, "pad_to_multiple_of": 4},
+        {"cost_aware_layout": "even_by_length", "pad_to_multiple_of": 4},
         {"loss_type": "dapo", "beta": 0.04, "mask_truncated_completions": True, "max_completion_length": 6},
     ],
     ids=["default", "bnpo", "grouped-pad4", "dapo-kl-truncation"],

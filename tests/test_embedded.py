@@ -407,7 +407,7 @@ def test_testbed_registry_and_recipes_construct():
     full = CostAwareGRPOConfig(
         output_dir="/tmp/unused",
         cost_aware=True,
-        cost_aware_full_micro_batches=True,
+        cost_aware_layout="full",
         cost_aware_kept_fraction=0.5,  # the layout needs a fixed fraction (the default "auto" is refused)
         **LONG_RECIPE,
     )

@@ -69,9 +69,7 @@ def measure(rows: int, cols: int, dtype: str, slice_size: int | None = None) -> 
         pass
 
     host = Host()
-    host.args = SimpleNamespace(
-        cost_aware=True, cost_aware_kept_fraction="compute", cost_aware_noise_ema=0.9, cost_aware_budget_delta=0.1
-    )
+    host.args = SimpleNamespace(cost_aware=True, cost_aware_kept_fraction="compute", cost_aware_budget_delta=0.1)
     host.is_deepspeed_enabled = host.is_fsdp_enabled = False
     host.accelerator = SimpleNamespace(scaler=None)
     host.add_callback = lambda callback: None

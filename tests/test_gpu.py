@@ -51,7 +51,7 @@ RUNS.update(
         "spg=2xGA": dict(steps_per_generation=4, gradient_accumulation_steps=2),
         "token-budget": dict(cost_aware_token_budget=80),
         "group-by-length": dict(
-            steps_per_generation=4, gradient_accumulation_steps=4, cost_aware_group_by_length=True
+            steps_per_generation=4, gradient_accumulation_steps=4, cost_aware_layout="even_by_length"
         ),
         "multinomial-selfnorm": dict(cost_aware_draw="multinomial", cost_aware_weight_normalization="self_normalize"),
         "weights-none": dict(cost_aware_weight_normalization="none"),  # the default is "recenter"

@@ -50,7 +50,7 @@ def _config(tmp_path, **overrides):
         save_strategy="no",
         bf16=False,
         cost_aware_kept_fraction=0.5,
-        cost_aware_full_micro_batches=True,
+        cost_aware_layout="full",
     )
     kwargs.update(overrides)
     return CostAwareGRPOConfig(**kwargs)
@@ -81,11 +81,10 @@ def test_run_uses_fewer_full_micro_batches(tmp_path, tiny_model_path):
     seen = {}
     arms = {"even": dict(cost_aware_layout="even"), "full": {}, "packed": dict(cost_aware_layout="packed")}
     for arm, options in arms.items():
-        full = arm == "full"
         trainer = CostAwareGRPOTrainer(
             tiny_model_path,
             [reward],
-            args=_config(tmp_path / arm, cost_aware_full_micro_batches=full, **options),
+            args=_config(tmp_path / arm, **options),
             train_dataset=arithmetic_dataset(32, seed=0),
         )
         rows = []

@@ -126,12 +126,10 @@ def _config(tmp_path, **overrides):
 
 def test_config_resolves_and_refuses_layouts(tmp_path):
     assert resolve_layout("auto") == "packed"
-    assert resolve_layout("auto", full_micro_batches=True) == "even"
+    assert resolve_layout("full") == resolve_layout("even_by_length") == resolve_layout("even") == "even"
     assert resolve_layout("auto", entropy_bonus=True) == "even"
     with pytest.raises(ValueError, match="cost_aware_layout must be one of"):
         _config(tmp_path, cost_aware_layout="dense")
-    with pytest.raises(ValueError, match="cost_aware_full_micro_batches=True"):
-        _config(tmp_path, cost_aware_layout="packed", cost_aware_full_micro_batches=True)
     with pytest.raises(ValueError, match="entropy_coef"):
         _config(tmp_path, cost_aware_layout="packed", entropy_coef=0.01)
     args = _config(tmp_path, gradient_accumulation_steps=4, steps_per_generation=8)

@@ -317,7 +317,7 @@ def test_streams_of_ranks_and_names_never_collide():
 
 
 def test_plan_settings_mirror_the_config_on_kept_fraction_and_token_budget():
-    assert PlanSettings().kept_fraction == 0.5  # the config's default
+    assert PlanSettings().kept_fraction == 0.5  # the default
     with pytest.raises(ValueError, match=r"kept_fraction=None needs a token_budget"):
         PlanSettings(kept_fraction=None)
     for rule in ("auto", "compute"):
@@ -325,9 +325,9 @@ def test_plan_settings_mirror_the_config_on_kept_fraction_and_token_budget():
             PlanSettings(kept_fraction=rule, token_budget=100.0)
     assert PlanSettings(kept_fraction=None, token_budget=100.0).token_budget == 100.0
     s = PlanSettings()
-    assert (s.weight_normalization, s.weight_floor) == ("none", None)  # the config's default
+    assert (s.weight_normalization, s.weight_floor) == ("none", None)  # the default
     s = PlanSettings(weight_normalization="recenter")
-    assert (s.weight_normalization, s.weight_floor) == ("recenter", 0.0)  # floored at 0, as the config does
+    assert (s.weight_normalization, s.weight_floor) == ("recenter", 0.0)  # floored at 0 by the plan
 
 
 # ---------------------------------------------------------------- the weights' centre

@@ -9,6 +9,8 @@ drawn, so it could not see that centring at 1 scaled the gradient by N/|S|; the 
 
 from __future__ import annotations
 
+from trl_costaware.rows.plan import PlanSettings
+
 
 def _args(**overrides):
     from trl_costaware import CostAwareGRPOConfig
@@ -18,9 +20,11 @@ def _args(**overrides):
 
 def test_none_is_the_default():
     args = _args()
-    assert (args.cost_aware_weight_normalization, args.cost_aware_weight_floor) == ("none", None)
+    settings = PlanSettings.from_args(args, zero_advantage_carries_gradient=False)
+    assert (args.cost_aware_weight_normalization, settings.weight_floor) == ("none", None)
 
 
 def test_recenter_is_floored_at_zero():
     args = _args(cost_aware_weight_normalization="recenter")
-    assert (args.cost_aware_weight_normalization, args.cost_aware_weight_floor) == ("recenter", 0.0)
+    settings = PlanSettings.from_args(args, zero_advantage_carries_gradient=False)
+    assert (args.cost_aware_weight_normalization, settings.weight_floor) == ("recenter", 0.0)

@@ -159,7 +159,6 @@ def test_micro_batches_trimmed_and_grouped_by_length(tmp_path, model_path, datas
         gradient_accumulation_steps=4,
         max_steps=1,
         cost_aware_kept_fraction=1.0,
-        cost_aware_group_by_length=True,
     )
     trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
     widths = []
@@ -333,8 +332,9 @@ def test_one_token_and_truncated_completions(tmp_path, model_path, dataset, mask
         ("cost_aware_smoothing", 1.1),
         ("cost_aware_draw", "poisson"),
         ("cost_aware_weight_normalization", "softmax"),
-        ("cost_aware_weight_floor", -1.0),
         ("cost_aware_weight_cap", 0.0),
+        ("cost_aware_weight_cap", -1.0),
+        ("cost_aware_layout", "sorted"),
     ],
 )
 def test_config_errors_name_the_field(tmp_path, field, value):
@@ -562,7 +562,7 @@ def test_group_by_length_changes_padding_only(tmp_path, model_path, dataset):
             gradient_accumulation_steps=4,
             max_steps=3,
             learning_rate=0.0,  # the same model every step, so generation is the same in both runs
-            cost_aware_group_by_length=grouped,
+            cost_aware_layout="even_by_length" if grouped else "even",
         )
         trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
         seen = _record_draws(trainer)

@@ -18,6 +18,7 @@ from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
 from trl_costaware.rows.deferred import TRL_SCORING_CODE, VLLM_METRICS, DeferredLogProbPasses
+from trl_costaware.rows.layout import layout_of
 from trl_costaware.rows.plan import AcceleratorCollective
 from trl_costaware.trainer import STATE_FILE
 
@@ -308,11 +309,14 @@ def test_the_counters_gather_sends_the_same_keys_with_or_without_a_plan(tmp_path
         assert totals["policy_tokens"] < totals["rollout_tokens"]
 
 
-def test_length_grouping_under_the_packed_layout_warns_that_it_has_no_effect(tmp_path):
-    with pytest.warns(UserWarning, match="cost_aware_group_by_length=True has no effect"):
-        make_args(tmp_path, cost_aware_group_by_length=True)  # the default layout: packed
+def test_length_grouping_is_a_layout_of_its_own(tmp_path):
+    """Length grouping applies to the even layout only, so it is one of `cost_aware_layout`'s values (the packed layout
+    already sorts): no combination of fields can ask for it where it does nothing."""
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        make_args(tmp_path, cost_aware_group_by_length=True, cost_aware_layout="even")
+        args = make_args(tmp_path, cost_aware_layout="even_by_length")
+    assert layout_of(args) == "even"
+    with pytest.raises(ValueError, match="use cost_aware_layout='even_by_length'"):
+        make_args(tmp_path, cost_aware_group_by_length=True)

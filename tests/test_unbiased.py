@@ -291,7 +291,7 @@ OPTIONS = {
     "beta": dict(beta=0.05),
     "num_iterations_2": dict(num_iterations=2),
     "multinomial": dict(cost_aware_draw="multinomial"),
-    "group_by_length_pad8": dict(cost_aware_group_by_length=True, pad_to_multiple_of=8),
+    "group_by_length_pad8": dict(cost_aware_layout="even_by_length", pad_to_multiple_of=8),
     # a zero-advantage group: with β = 0 its rows are outside the support (the draw and the smoothing spread over the
     # 12 informative rows only) and m = 0.9·16 → 14 is capped at 12; with β > 0 they are eligible (KL gradient)
     "zero_signal_support": dict(reward="binary"),
@@ -299,7 +299,7 @@ OPTIONS = {
     "zero_signal_beta": dict(reward="binary", beta=0.05),
     "token_budget": dict(cost_aware_token_budget=150),
     # kept rows re-cut into full micro-batches (B' = B/f, S' = f·S, G' = f·G): one micro-batch of 8 here
-    "full_micro_batches": dict(cost_aware_full_micro_batches=True),
+    "full_micro_batches": dict(cost_aware_layout="full"),
     # steps_per_generation = 2 × GA: 4 micro-batches of 2 kept rows, two optimizer steps, summed over the whole
     # generation batch (against 2 × the full-batch gradient, see `_coverage`)
     "spg_2x_ga": dict(spg=4, coverage="generation"),
@@ -338,7 +338,7 @@ def test_unbiased_matrix(warm_model_path, dataset, tmp_path, monkeypatch, loss_t
     informative = int((case.full["advantages"] != 0).sum())
     if options.get("reward") == "binary":  # the case has zero-signal rows to avoid, and informative ones
         assert 0 < informative < 14, informative
-    if "cost_aware_full_micro_batches" in options:  # the layout was applied: 16 rows, one micro-step per step
+    if options.get("cost_aware_layout") == "full":  # the layout was applied: 16 rows, one micro-step per step
         assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 1)
     r = run_case(case, CHEAP_DRAWS)
     assert _detects_5_percent(r), r

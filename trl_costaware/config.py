@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import warnings
@@ -48,6 +49,28 @@ def resolve_cost_fn(spec) -> Callable | None:
         f"cost_aware_cost must be one of {COST_KINDS}, a callable fn(prompt_mask, completion_mask) -> costs, or an "
         f"import path 'module:function'; got {spec!r}"
     )
+
+
+# The fields issue 38's audit of the config surface removed: each with what replaces it, or why nothing does. A removed
+# field is refused with this text (`CostAwareGRPOConfig(...)`, and `--name` on the command line), never ignored.
+REMOVED_FIELDS = {
+    "cost_aware_full_micro_batches": "use cost_aware_layout='full' (the same layout, now one of the layouts)",
+    "cost_aware_group_by_length": "use cost_aware_layout='even_by_length' (length grouping only ever applied to the "
+    "even layout; the default packed layout already sorts each optimizer step's rows by length)",
+    "cost_aware_seed": "the sampler's random streams are seeded by `seed` (per process and per stream)",
+    "cost_aware_weight_floor": "no replacement: 'recenter' weights, the only ones that can go negative, are floored "
+    "at 0, and a floor above 0 only added bias; cost_aware_weight_cap bounds the weights from above",
+    "cost_aware_noise_scale_factor": "no replacement: it was a calibration constant of the 'compute' rule's response "
+    "model, and its one benchmarked value was fitted on the cells that scored it (BENCHMARKS.md section 8); the "
+    "rule uses the model as derived",
+    "cost_aware_noise_ema": "no replacement: the 'compute' rule's moving averages decay by 0.9 "
+    "(trl_costaware.kept_count.step_signals.NOISE_EMA); no benchmark varied it",
+}
+
+
+def removed_fields_message(names) -> str:
+    """The error for configs that set removed fields: each name with its replacement."""
+    return "; ".join(f"{name} was removed: {REMOVED_FIELDS[name]}" for name in names)
 
 
 def _is_whole(value) -> bool:
@@ -98,21 +121,16 @@ class CostAwareGRPOConfig(GRPOConfig):
             `"compute"`: per generation batch, the m minimising the predicted cost of the run to its target,
             (1 + ρ (1 + I(m))) (C_fix + κ T(m)), with ρ = B_noise / N the gradient noise scale measured from the run's
             own optimizer steps, C_fix a step's cost that does not shrink with m and κ the price of a kept policy token
-            (`trl_costaware/kept_count/compute_budget.py`, docs/budget_and_proxy.md §3; McCandlish et al. 2018, "An Empirical
-            Model of Large-Batch Training"). Every row is kept until the noise scale has its first estimate (the second
-            optimizer step); under DeepSpeed and FSDP, where the gradient is not readable, it falls back to `"auto"`.
-        cost_aware_cost_model (`str`, defaults to `"time"`):
+            (`trl_costaware/kept_count/compute_budget.py`, docs/budget_and_proxy.md §3; McCandlish et al. 2018, "An
+            Empirical Model of Large-Batch Training"). Every row is kept until the noise scale has its first estimate
+            (the second optimizer step); under DeepSpeed and FSDP, where the gradient is not readable, it falls back to
+        `"auto"`. cost_aware_cost_model (`str`, defaults to `"time"`):
             With `"compute"`: `"time"` (the run's measured seconds: generation, scoring and optimizer step as C_fix,
             update seconds per kept policy token as κ; the token model until the first generation batch is timed) or
             `"tokens"` (C_fix = `cost_aware_generation_token_cost` × generated tokens, κ = `num_iterations`).
         cost_aware_generation_token_cost (`float`, defaults to `1.2`):
             The token model's price of a generated token, in policy-update tokens. 1.2: verl's Qwen3-8B GRPO step
             (generation 55%, passes and update 45%) with completions much longer than prompts.
-        cost_aware_noise_scale_factor (`float`, defaults to `1.0`):
-            With `"compute"`: the rule uses this multiple of the measured noise scale ρ. 1.0 is the large-batch model
-            as derived; BENCHMARKS.md §8 measures the steps' actual response to the update's noise with Adam.
-        cost_aware_noise_ema (`float`, defaults to `0.9`):
-            Decay of the moving averages of the noise scale's two terms and of the measured costs, in [0, 1).
         cost_aware_budget_delta (`float`, defaults to `1.0`):
             With `cost_aware_kept_fraction="auto"`: the allowed variance inflation δ ≥ 0 of the update relative to
             training on the whole generation batch (0: keep every informative row; 1: the update may be twice as
@@ -145,25 +163,11 @@ class CostAwareGRPOConfig(GRPOConfig):
             scaled the gradient by N/|S|; rerun with the centre w̄₀ (long testbed, `"auto"`, 20 seeds) `"none"` needs
             1.00× [0.99, 1.02] recentring's tokens, end accuracy −0.001 [−0.005, +0.002]: no measured gain left to
             pay a bias for (BENCHMARKS.md §5).
-        cost_aware_weight_floor (`float` or `None`, defaults to `None`):
-            Lower clamp for the weights (≥ 0; `"recenter"` uses 0 when unset, since weights must stay non-negative).
         cost_aware_weight_cap (`float` or `None`, defaults to `None`):
-            Upper clamp for the weights (> floor).
-        cost_aware_group_by_length (`bool`, defaults to `False`):
-            Put kept rows of similar length in the same micro-batch (less padding); micro-batch order stays random.
-            Under the even layout only: the packed layout always sorts by length (a warning says so).
-        cost_aware_seed (`int` or `None`, defaults to `None`):
-            Seed of the sampler's random streams (the draw and the length grouping; independent per process and per
-            stream, see `sampling.stream_seed`); a whole number >= 0. `None` uses `seed`.
+            Upper clamp for the weights (> 0; truncated importance sampling: bounds a row's weight, biased).
+            `"recenter"` weights, which can go negative, are floored at 0.
         cost_aware_run_group (`str` or `None`, defaults to `None`):
             Group name shared by the runs of one comparison (W&B group, and a field of the local metrics record).
-        cost_aware_full_micro_batches (`bool`, defaults to `False`):
-            Lay the kept rows into full micro-batches: `per_device_train_batch_size` kept rows each and
-            `cost_aware_kept_fraction × gradient_accumulation_steps` of them per optimizer step, with the same
-            generation batch (see `layout.py`). Fewer, fuller micro-batches are what make the update time fall with
-            the tokens on an accelerator. Needs a fixed kept fraction. The packed layout (`cost_aware_layout`) makes
-            the same full micro-batches for any kept fraction and for `"auto"`; this field stays for configs that set
-            it (the layout is then `"even"`: its micro-batches are already full).
         cost_aware_layout (`str`, defaults to `"auto"`):
             How the kept rows are cut into micro-batches (docs/layout.md). `"packed"`: per optimizer step, its kept
             rows sorted by length in as few micro-batches of up to `per_device_train_batch_size` rows as they need;
@@ -172,8 +176,12 @@ class CostAwareGRPOConfig(GRPOConfig):
             with the kept rows at every micro-batch size and m need not be a multiple of `steps_per_generation`.
             Same gradient as `"even"` for the same rows (tests/test_packed_layout.py). `"even"`: TRL's split, m/S rows
             in each of the S micro-steps (m a multiple of S: at `per_device_train_batch_size=1` nothing is dropped).
-            `"auto"`: `"packed"`, or `"even"` with `cost_aware_full_micro_batches`, TRL's entropy bonus or a router
-            aux loss (which packing would re-weight).
+            `"even_by_length"`: `"even"`, with the kept rows of similar length regrouped into the same micro-batch
+            (less padding; micro-batch order stays random). `"full"`: the config is rewritten so that the kept rows
+            fill full micro-batches, `per_device_train_batch_size` kept rows each and `cost_aware_kept_fraction ×
+            gradient_accumulation_steps` of them per optimizer step, with the same generation batch
+            (`rows/layout.py`); it needs a fixed kept fraction and then runs `"even"`. `"auto"`: `"packed"`, or
+            `"even"` with TRL's entropy bonus or a router aux loss (which packing would re-weight).
         cost_aware_prompt_sampling (`bool`, defaults to `False`):
             Cost-aware before generation (docs/prompt_sampling.md): each generation batch's K prompts are drawn from
             the P prompts of the train dataset with probability q_j ∝ v̂_j / √ĉ_j mixed with uniform, v̂_j the
@@ -223,21 +231,6 @@ class CostAwareGRPOConfig(GRPOConfig):
             "help": "The token cost model's price of one generated token in policy-update tokens (> 0). 1.2 is "
             "verl's published Qwen3-8B GRPO step (generation 55%%, old/reference passes and update 45%%) with "
             "completions much longer than prompts."
-        },
-    )
-    cost_aware_noise_scale_factor: float = field(
-        default=1.0,
-        metadata={
-            "help": "With cost_aware_kept_fraction='compute': multiplies the measured gradient noise scale before the "
-            "rule predicts steps from it (>= 0). 1.0 is the large-batch model as derived; BENCHMARKS.md section 8 "
-            "measures how much less the steps respond with Adam on the embedded testbeds."
-        },
-    )
-    cost_aware_noise_ema: float = field(
-        default=0.9,
-        metadata={
-            "help": "Decay in [0, 1) of the moving averages of the gradient noise scale's two terms and of the "
-            "measured step costs (cost_aware_kept_fraction='compute')."
         },
     )
     cost_aware_budget_delta: float = field(
@@ -295,26 +288,10 @@ class CostAwareGRPOConfig(GRPOConfig):
             "choices": list(WEIGHT_NORMALIZATIONS),
         },
     )
-    cost_aware_weight_floor: float | None = field(
-        default=None,
-        metadata={"help": "Lower clamp for importance weights (>= 0). 'recenter' uses 0 when unset."},
-    )
     cost_aware_weight_cap: float | None = field(
         default=None,
-        metadata={"help": "Upper clamp for importance weights (> floor). None: no cap."},
-    )
-    cost_aware_group_by_length: bool = field(
-        default=False,
         metadata={
-            "help": "Group kept rows of similar length into the same micro-batch to cut padding (the even layout; the "
-            "packed layout always sorts by length, and warns that this has no effect there)."
-        },
-    )
-    cost_aware_seed: int | None = field(
-        default=None,
-        metadata={
-            "help": "Seed (a whole number >= 0) of the sampler's random streams: the draw and the length grouping, "
-            "independent per process and per stream. None: use `seed`."
+            "help": "Upper clamp for importance weights (> 0; truncated importance sampling, biased). None: no cap."
         },
     )
     cost_aware_run_group: str | None = field(
@@ -324,22 +301,16 @@ class CostAwareGRPOConfig(GRPOConfig):
             "run group and a field of the local metrics record. None: WANDB_RUN_GROUP if set."
         },
     )
-    cost_aware_full_micro_batches: bool = field(
-        default=False,
-        metadata={
-            "help": "Cut the kept rows into full micro-batches of per_device_train_batch_size rows, "
-            "kept_fraction × gradient_accumulation_steps of them per optimizer step, from the same generation batch "
-            "(per_device_train_batch_size / kept_fraction rows per generation micro-batch). Needs a fixed kept "
-            "fraction; the three fields must come out whole."
-        },
-    )
     cost_aware_layout: str = field(
         default="auto",
         metadata={
             "help": "Micro-batch layout of the kept rows: 'packed' (each optimizer step's kept rows, sorted by "
             "length, in as few micro-batches of up to per_device_train_batch_size rows as they need; the other "
-            "micro-steps are no-ops), 'even' (TRL's split: m / steps_per_generation rows per micro-step) or 'auto' "
-            "('packed', or 'even' with cost_aware_full_micro_batches, an entropy bonus or a router aux loss).",
+            "micro-steps are no-ops), 'even' (TRL's split: m / steps_per_generation rows per micro-step), "
+            "'even_by_length' ('even' with rows of similar length grouped, less padding), 'full' (the config "
+            "rewritten so that the kept rows fill micro-batches of per_device_train_batch_size rows, "
+            "kept_fraction x gradient_accumulation_steps of them per optimizer step; needs a fixed kept fraction) or "
+            "'auto' ('packed', or 'even' with an entropy bonus or a router aux loss).",
             "choices": list(LAYOUTS),
         },
     )
@@ -369,7 +340,7 @@ class CostAwareGRPOConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        if self.cost_aware and self.cost_aware_full_micro_batches:
+        if self.cost_aware and self.cost_aware_layout == "full":
             self._apply_full_micro_batch_layout()  # before TRL derives the generation batch from these fields
         super().__post_init__()
         if self.cost_aware:
@@ -403,15 +374,6 @@ class CostAwareGRPOConfig(GRPOConfig):
             )
             if warning is not None:
                 warnings.warn(warning, UserWarning, stacklevel=3)
-            if self.cost_aware_group_by_length and layout == "packed":
-                warnings.warn(
-                    "cost_aware_group_by_length=True has no effect with "
-                    f"cost_aware_layout={self.cost_aware_layout!r}, which runs the packed layout: it already sorts "
-                    "each optimizer step's kept rows by length into its micro-batches. Set cost_aware_layout='even' "
-                    "for TRL's split with length grouping.",
-                    UserWarning,
-                    stacklevel=3,
-                )
         if not (
             isinstance(self.cost_aware_budget_delta, int | float) and 0.0 <= self.cost_aware_budget_delta < math.inf
         ):
@@ -423,12 +385,6 @@ class CostAwareGRPOConfig(GRPOConfig):
         price = self.cost_aware_generation_token_cost
         if not (isinstance(price, int | float) and not isinstance(price, bool) and 0.0 < price < math.inf):
             raise ValueError(f"cost_aware_generation_token_cost must be a finite number > 0, got {price!r}")
-        factor = self.cost_aware_noise_scale_factor
-        if not (isinstance(factor, int | float) and not isinstance(factor, bool) and 0.0 <= factor < math.inf):
-            raise ValueError(f"cost_aware_noise_scale_factor must be a finite number >= 0, got {factor!r}")
-        decay = self.cost_aware_noise_ema
-        if not (isinstance(decay, int | float) and not isinstance(decay, bool) and 0.0 <= decay < 1.0):
-            raise ValueError(f"cost_aware_noise_ema must be a number in [0, 1), got {decay!r}")
         budget = self.cost_aware_token_budget
         if budget is not None:
             if not _is_whole(budget) or budget < 1:
@@ -437,11 +393,6 @@ class CostAwareGRPOConfig(GRPOConfig):
                     f"or None, got {budget!r}"
                 )
             self.cost_aware_token_budget = int(budget)
-        seed = self.cost_aware_seed
-        if seed is not None:
-            if not _is_whole(seed) or seed < 0:
-                raise ValueError(f"cost_aware_seed must be a whole number >= 0 or None (use `seed`), got {seed!r}")
-            self.cost_aware_seed = int(seed)
         if self.cost_aware_proxy not in PROXIES:
             raise ValueError(f"cost_aware_proxy must be one of {PROXIES}, got {self.cost_aware_proxy!r}")
         resolve_cost_fn(self.cost_aware_cost)  # raises with the allowed values
@@ -455,18 +406,11 @@ class CostAwareGRPOConfig(GRPOConfig):
                 f"got {self.cost_aware_weight_normalization!r}"
             )
         # A negative weight would flip the sign of a row's advantage, which is not a reweighting of TRL's clipped
-        # surrogate (only positive factors commute with it), so weights are kept non-negative.
-        if self.cost_aware_weight_floor is not None and self.cost_aware_weight_floor < 0:
-            raise ValueError(f"cost_aware_weight_floor must be >= 0 or None, got {self.cost_aware_weight_floor}")
-        if self.cost_aware_weight_normalization == "recenter" and self.cost_aware_weight_floor is None:
-            self.cost_aware_weight_floor = 0.0
-        if self.cost_aware_weight_cap is not None:
-            floor = self.cost_aware_weight_floor or 0.0
-            if self.cost_aware_weight_cap <= floor:
-                raise ValueError(
-                    f"cost_aware_weight_cap must be > cost_aware_weight_floor ({floor}), "
-                    f"got {self.cost_aware_weight_cap}"
-                )
+        # surrogate (only positive factors commute with it), so weights are kept non-negative ("recenter" is floored
+        # at 0 by the plan).
+        cap = self.cost_aware_weight_cap
+        if cap is not None and not (isinstance(cap, int | float) and not isinstance(cap, bool) and 0.0 < cap):
+            raise ValueError(f"cost_aware_weight_cap must be a number > 0 or None, got {cap!r}")
 
         self._check_prompt_sampling()
 
@@ -501,7 +445,7 @@ class CostAwareGRPOConfig(GRPOConfig):
         fraction = None if fraction is None else _kept_fraction(fraction)  # a float, "auto" or "compute"
         if self.cost_aware_token_budget is not None or fraction is None or fraction in RULES:
             raise ValueError(
-                "cost_aware_full_micro_batches=True needs a fixed cost_aware_kept_fraction (a number, e.g. 0.5, the "
+                "cost_aware_layout='full' needs a fixed cost_aware_kept_fraction (a number, e.g. 0.5, the "
                 "default; 'auto' and 'compute' change the kept row count from batch to batch) and no "
                 "cost_aware_token_budget: the kept row count must be known when the micro-batches are sized, got "
                 f"cost_aware_kept_fraction={self.cost_aware_kept_fraction!r}, "
@@ -516,3 +460,19 @@ class CostAwareGRPOConfig(GRPOConfig):
         self.per_device_train_batch_size = layout.per_device_train_batch_size
         self.gradient_accumulation_steps = layout.gradient_accumulation_steps
         self.steps_per_generation = layout.steps_per_generation
+
+
+def _refuse_removed_fields(init):
+    """Wrap the dataclass `__init__` so that a removed field gets `REMOVED_FIELDS`' text, not a bare TypeError."""
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        removed = [name for name in kwargs if name in REMOVED_FIELDS]
+        if removed:
+            raise ValueError(removed_fields_message(removed))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+CostAwareGRPOConfig.__init__ = _refuse_removed_fields(CostAwareGRPOConfig.__init__)

@@ -146,7 +146,7 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         if args.cost_aware and isinstance(self.processing_class, ProcessorMixin):  # a model instance: TRL loaded it
             raise NotImplementedError(MULTIMODAL_REFUSAL)
         self._cost_fn = resolve_cost_fn(args.cost_aware_cost)
-        seed = args.seed if args.cost_aware_seed is None else args.cost_aware_seed
+        seed = args.seed
         rank = self.accelerator.process_index
         # Independent streams (a hash of seed, rank and name): grouping never shifts which rows the sampler draws.
         self._sampler_generator = stream_generator(seed, rank, "sampler")
@@ -354,7 +354,7 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         elif self.args.cost_aware:
             positions = [c.get("cost_aware_rows") for c in chunks]
             known = host is not None and all(p is not None for p in positions)
-            if self.args.cost_aware_group_by_length and len(chunks) > 1:
+            if self.args.cost_aware_layout == "even_by_length" and len(chunks) > 1:
                 # Its own generator: grouping changes padding only, never which rows the sampler draws next.
                 lengths = None
                 if known:

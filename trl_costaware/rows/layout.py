@@ -11,14 +11,16 @@ TRL splits each rank's generation batch of N = B · S rows (B = `per_device_trai
   number of runs of g = gcd(S, G) micro-step positions the generation batch is cut into (`optimizer_segments`), each
   inside one optimizer step. That is the number of optimizer steps per generation batch when G divides S, and 1
   (any m) when S divides G.
-- the full layout (`cost_aware_full_micro_batches`, `full_micro_batch_layout`): for a fixed fraction f, the config
+- "full" (`full_micro_batch_layout`): for a fixed fraction f, the config
   itself is rewritten,
 
     B' = B / f,    S' = f · S,    G' = f · G      (G = `gradient_accumulation_steps`)
 
   so the generation batch is B' · S' = B · S rows as before, the m = f · B · S kept rows fill S' micro-batches of
   f · B' = B rows each, and each optimizer step takes G' micro-steps instead of G. B, S and G must make B', S' and G'
-  whole numbers.
+  whole numbers. It then runs as "even" with full micro-batches.
+- "even_by_length": "even", with the kept rows regrouped by length across the generation batch's micro-batches
+  (padding only; `batching.regroup_by_length`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def full_micro_batch_layout(
     Raises ValueError naming the fields when a result is not a whole number of rows or steps."""
     f = kept_fraction
     hint = (
-        f"cost_aware_full_micro_batches=True with cost_aware_kept_fraction={f} needs per_device_train_batch_size / "
+        f"cost_aware_layout='full' with cost_aware_kept_fraction={f} needs per_device_train_batch_size / "
         f"{f}, gradient_accumulation_steps × {f} and steps_per_generation × {f} to be whole numbers; got "
         f"per_device_train_batch_size={per_device_train_batch_size}, gradient_accumulation_steps="
         f"{gradient_accumulation_steps}, steps_per_generation={steps_per_generation}"
@@ -71,37 +73,31 @@ def full_micro_batch_layout(
 # ---------------------------------------------------------------------------------------------------- packed layout
 # `cost_aware_layout`: "packed" (the kept rows of each optimizer step, sorted by length, in as few micro-batches of up
 # to B rows as they need; the optimizer step's other micro-steps are no-ops), "even" (TRL's split: m/S rows in each of
-# the S micro-steps, so m is a multiple of S), "auto" (packed, unless the gradient cannot be kept equal: see
-# `resolve_layout`).
-LAYOUTS = ("auto", "packed", "even")
+# the S micro-steps, so m is a multiple of S), "even_by_length" ("even" with the rows regrouped by length), "full"
+# (the config rewritten so that the kept rows fill whole micro-batches; then "even"), "auto" (packed, unless the
+# gradient cannot be kept equal: see `resolve_layout`).
+LAYOUTS = ("auto", "packed", "even", "even_by_length", "full")
+EVEN_LAYOUTS = ("even", "even_by_length", "full")  # the requests that run TRL's even split
 
 
-def resolve_layout(requested: str, full_micro_batches: bool = False, entropy_bonus: bool = False) -> str:
-    """The layout that runs: "packed" or "even".
+def resolve_layout(requested: str, entropy_bonus: bool = False) -> str:
+    """The layout that runs: "packed" or "even" ("even_by_length" and "full" run "even").
 
-    "auto" is "packed" unless `cost_aware_full_micro_batches` already fills the micro-batches (static layout: its
-    micro-batches hold B kept rows, so there is nothing to pack) or TRL's entropy bonus is on (`entropy_coef != 0` or
+    "auto" is "packed" unless TRL's entropy bonus is on (`entropy_coef != 0` or
     `use_adaptive_entropy`: TRL adds it per micro-batch as that micro-batch's token mean, so fewer, fuller
     micro-batches would change its total and the adaptive controller's window; the packed layout is proven equal
-    only without it). An explicit "packed" with either raises, naming the fields."""
+    only without it). An explicit "packed" with it raises, naming the fields."""
     if requested not in LAYOUTS:
         raise ValueError(f"cost_aware_layout must be one of {LAYOUTS}, got {requested!r}")
-    if requested == "even":
+    if requested in EVEN_LAYOUTS:
         return "even"
-    conflict = None
-    if full_micro_batches:
-        conflict = "cost_aware_full_micro_batches=True (its static layout already fills the micro-batches)"
-    elif entropy_bonus:
-        conflict = (
-            "TRL's entropy bonus (entropy_coef != 0 or use_adaptive_entropy=True: a per-micro-batch token mean, which "
-            "packing would re-weight)"
-        )
-    if conflict is None:
+    if not entropy_bonus:
         return "packed"
     if requested == "packed":
         raise ValueError(
-            f"cost_aware_layout='packed' cannot be combined with {conflict}. Use cost_aware_layout='even' (or 'auto', "
-            "which then chooses it)."
+            "cost_aware_layout='packed' cannot be combined with TRL's entropy bonus (entropy_coef != 0 or "
+            "use_adaptive_entropy=True: a per-micro-batch token mean, which packing would re-weight). Use "
+            "cost_aware_layout='even' (or 'auto', which then chooses it)."
         )
     return "even"
 
@@ -260,7 +256,7 @@ def micro_token_factor(tokens, micro_tokens_full: float):
 def layout_of(args) -> str:
     """The layout a `CostAwareGRPOConfig` runs (`resolve_layout` on its fields)."""
     entropy_bonus = getattr(args, "entropy_coef", 0.0) != 0.0 or bool(getattr(args, "use_adaptive_entropy", False))
-    return resolve_layout(args.cost_aware_layout, args.cost_aware_full_micro_batches, entropy_bonus)
+    return resolve_layout(args.cost_aware_layout, entropy_bonus)
 
 
 def sampling_floor_warning(

@@ -82,8 +82,6 @@ class PackedLayout:
         )
         if floor is not None:
             message += f" Under it: {floor}"
-        if args.cost_aware_group_by_length:
-            message += " cost_aware_group_by_length=True applies (it groups the even layout's micro-batches)."
         warnings.warn(message, UserWarning, stacklevel=3)
 
     def _pack_buffer(self, kept_batch, chunks, host, plan):

@@ -139,8 +139,8 @@ class PlanSettings:
     proxy: str = "advantage"
     smoothing: float = 0.1
     draw: str = "systematic"
-    weight_normalization: str = "none"  # the config's default; "recenter" is floored at 0 when no floor is given
-    weight_floor: float | None = None
+    weight_normalization: str = "none"  # the config's default
+    weight_floor: float | None = None  # "recenter" (which can go negative) is floored at 0; None: no floor
     weight_cap: float | None = None
     steps_per_generation: int = 1
     zero_advantage_carries_gradient: bool = False
@@ -159,7 +159,7 @@ class PlanSettings:
                 f"PlanSettings: kept_fraction={self.kept_fraction!r} and token_budget both choose m; set one of them"
             )
         if self.weight_normalization == "recenter" and self.weight_floor is None:
-            object.__setattr__(self, "weight_floor", 0.0)  # as the config: weights stay non-negative
+            object.__setattr__(self, "weight_floor", 0.0)  # weights stay non-negative (the config refuses a negative cap)
 
     @classmethod
     def from_args(cls, args, zero_advantage_carries_gradient: bool) -> PlanSettings:
@@ -172,7 +172,6 @@ class PlanSettings:
             smoothing=args.cost_aware_smoothing,
             draw=args.cost_aware_draw,
             weight_normalization=args.cost_aware_weight_normalization,
-            weight_floor=args.cost_aware_weight_floor,
             weight_cap=args.cost_aware_weight_cap,
             steps_per_generation=args.steps_per_generation,
             zero_advantage_carries_gradient=zero_advantage_carries_gradient,

@@ -10,10 +10,10 @@ held-out accuracy at the start and end, policy-optimisation tokens, and the poli
 the target, and writes ``summary.json`` and ``heldout_accuracy.png`` (held-out accuracy against policy tokens and
 against compute) to the output folder.
 
-Compute is what a run costs in GRPO steps (`trl_costaware.tracking.compare.compute`): generated and policy tokens weighted so
-that one step of this run's GRPO arm costs 1, at two phase splits of a GRPO step (`compute_splits`): verl's GPU split
-(generation 55%, old/reference passes 19%, update 26%) and this machine's, measured on the GRPO arm (its update
-share of a training step; no old/reference pass: β = 0, one iteration per generation batch). Policy tokens alone
+Compute is what a run costs in GRPO steps (`trl_costaware.tracking.compare.compute`): generated and policy tokens
+weighted so that one step of this run's GRPO arm costs 1, at two phase splits of a GRPO step (`compute_splits`): verl's
+GPU split (generation 55%, old/reference passes 19%, update 26%) and this machine's, measured on the GRPO arm (its
+update share of a training step; no old/reference pass: β = 0, one iteration per generation batch). Policy tokens alone
 leave out the generation, which every step pays in full, so they overstate what the cost-aware arm saves.
 
 The target is the start accuracy plus 80% of GRPO's improvement in this run (its last `END_POINTS` evaluations
@@ -311,8 +311,8 @@ def format_summary(summary: dict) -> str:
         )
         lines.append(
             "Compute = generated and policy tokens priced in GRPO steps (one GRPO step = 1; "
-            f"trl_costaware.tracking.compare.compute) at each split — {described}. Every step pays the whole generation, so "
-            "policy tokens alone overstate the saving."
+            f"trl_costaware.tracking.compare.compute) at each split — {described}. Every step pays the whole "
+            "generation, so policy tokens alone overstate the saving."
         )
     return "\n".join(lines)
 

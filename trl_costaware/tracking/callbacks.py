@@ -388,8 +388,9 @@ class WandbTokenAxisCallback(TrainerCallback):
         if self.group and (run.group or None) != self.group:
             self._wandb().termwarn(
                 f"cost_aware_run_group={self.group!r} could not be applied: the W&B run already existed (group "
-                f"{run.group or None!r}), made by wandb.init or by transformers' WandbCallback running first. Add the "
-                "callbacks with trl_costaware.tracking.callbacks.attach_tracking(trainer), or call wandb.init(group=...).",
+                f"{run.group or None!r}), made by wandb.init or by transformers' WandbCallback running first. Add "
+                "the callbacks with trl_costaware.tracking.callbacks.attach_tracking(trainer), or call "
+                "wandb.init(group=...).",
                 repeat=False,
             )
         if self.resolved is not None and (entries := self.resolved()):
