@@ -555,3 +555,56 @@ def test_cli_compute_split(tmp_path, capsys):
     base = write_run(tmp_path / "b", [100, 200, 300], [0.0, 0.5, 1.0], False)
     assert main([base, "--no-plot", "--compute-split", "gen=0.5,update=0.4"]) == 2
     assert "--compute-split" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------------- duplicated steps
+def duplicate_record(folder) -> None:
+    """Rewrite a run's record as a duplicated launch leaves it (tests/test_launch.py, before the refusal): two
+    processes each log every step into the one file, interleaved, and the later one's start truncated the earlier
+    one's first rows."""
+    path = os.path.join(folder, METRICS_FILE)
+    with open(path) as fh:
+        rows = [json.loads(line) for line in fh]
+    first, second = rows[3:], [dict(r, wall_time=r["wall_time"] + 0.01) for r in rows]
+    mixed = [r for pair in zip(first, second, strict=False) for r in pair] + second[len(first) :]
+    with open(path, "w") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in mixed)
+
+
+def test_compare_flags_a_record_with_duplicated_steps(tmp_path, capsys):
+    xs, ys = improving(0)
+    dirs = [
+        write_run(tmp_path / "base", xs, ys, cost_aware=False),
+        write_run(tmp_path / "ca", *improving(1, tokens_per_step=50), cost_aware=True),
+    ]
+    duplicate_record(dirs[1])
+    out_json = tmp_path / "cmp.json"
+    assert main([*dirs, "--no-plot", "--json", str(out_json)]) == 0
+    out = capsys.readouterr().out
+    warning = next((line for line in out.splitlines() if line.startswith("Warning")), None)
+    assert warning is not None, out[:2000]
+    assert "run `ca`" in warning and f"{len(xs) - 3} of its {len(xs)} train steps" in warning
+    assert "2 times" in warning and "--use_cpu true" in warning
+    assert out.index(warning) < out.index("| arm")  # above the tables
+    data = json.loads(out_json.read_text())
+    by_name = {r["name"]: r for r in data["runs"]}
+    assert by_name["ca"]["duplicated_steps"] == {"steps": len(xs) - 3, "train_steps": len(xs), "max_copies": 2}
+    assert by_name["base"]["duplicated_steps"] is None
+    assert data["warnings"] == [warning]
+
+
+def test_eval_and_train_rows_at_one_step_are_not_duplicates():
+    """A clean record has a train, an eval and a summary row at the same step; W&B rows carry no `split`."""
+    from trl_costaware.tracking.compare import duplicated_steps
+
+    rows = [
+        {"step": 1, "split": "train", "reward": 0.1},
+        {"step": 2, "split": "train", "reward": 0.2},
+        {"step": 2, "split": "eval", "eval_reward": 0.3},
+        {"step": 2, "split": "summary", "train_runtime": 1.0},
+    ]
+    assert duplicated_steps(rows) is None
+    online = [{"step": 2, "reward": 0.2}, {"step": 2, "eval_reward": 0.3}, {"step": 2, "train_runtime": 1.0}]
+    assert duplicated_steps(online) is None
+    twice = rows + [{"step": 1, "split": "train", "reward": 0.1}] * 2
+    assert duplicated_steps(twice) == {"steps": 1, "train_steps": 2, "max_copies": 3}

@@ -40,6 +40,7 @@ from .rows.packed import NOOP_KEY, PackedLayout
 from .rows.plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
 from .rows.proxy import DEFAULT_GAMMA, row_factor
 from .tracking.callbacks import attach_tracking, validate_report_to
+from .tracking.launch import duplicated_launch
 
 STATE_FILE = "cost_aware_state_rank{rank}.pt"
 MULTIMODAL_REFUSAL = (
@@ -122,6 +123,8 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
                 f"args must be a CostAwareGRPOConfig, got {type(args).__name__}. Replace GRPOConfig(...) with "
                 "CostAwareGRPOConfig(...): it accepts every GRPOConfig field."
             )
+        if refusal := duplicated_launch(os.environ, args.world_size, args.use_cpu):  # N jobs of world 1 (launch.py)
+            raise RuntimeError(refusal)
         if args.cost_aware:  # fail before the model loads
             check_loss_type(args.loss_type)
             processing_class = text_only_processing_class(model, processing_class, args)

@@ -104,6 +104,34 @@ def read_local_run(path: str) -> RunHistory:
     return RunHistory(name=name, source=folder, kind="local", rows=rows, info=info)
 
 
+def _row_split(row: dict) -> str:
+    """A row's split: its ``split`` (local record), else from its keys (W&B rows carry none)."""
+    if row.get("split"):
+        return row["split"]
+    if "train_runtime" in row:
+        return "summary"
+    return "eval" if any(k.startswith("eval_") for k in row) else "train"
+
+
+def duplicated_steps(rows: list[dict[str, Any]]) -> dict[str, int] | None:
+    """How many train steps a record logged more than once: ``{"steps": repeated steps, "train_steps": distinct
+    train steps, "max_copies": the most rows one step has}``, or None when every train step is logged once.
+
+    A run logs each step's train row once (a resume drops the rows after its checkpoint before logging them again);
+    eval and summary rows may share a train row's step. Repeated train steps mean several writers: a duplicated
+    launch (``WORLD_SIZE`` processes each training a world of 1, `trl_costaware.tracking.launch`) or two runs
+    sharing one output dir."""
+    counts: dict[Any, int] = {}
+    for row in rows:
+        step = row.get("step")
+        if isinstance(step, (int, float)) and _row_split(row) == "train":
+            counts[step] = counts.get(step, 0) + 1
+    repeated = [n for n in counts.values() if n > 1]
+    if not repeated:
+        return None
+    return {"steps": len(repeated), "train_steps": len(counts), "max_copies": max(repeated)}
+
+
 # ---------------------------------------------------------------------------------------------------- W&B online
 _HOST = r"^(?:https?://[^/]+/)?([^/\s]+)/([^/\s]+)/"
 _TAIL = r"/?(?:[?#].*)?$"

@@ -95,6 +95,7 @@ def format_report(result: Result) -> str:
     )
     reached = (lambda t: f" (baseline reaches it at {fmt_x(t.baseline_x, xk)})") if claim else (lambda t: "")
     lines = [
+        *result.warnings,
         (
             f"Metric `{result.metric}` ({'lower' if result.minimize else 'higher'} is better) against "
             f"`{xk}`; smoothing: {smooth_txt}"

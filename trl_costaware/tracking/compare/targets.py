@@ -7,7 +7,7 @@ from __future__ import annotations
 import fnmatch
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from ..names import BASELINE_ARM, COST_AWARE_ARM
 from .compute import GPU_VERL, Split, TokenWeights, token_weights
 from .curves import COMPUTE_KEY, Curve, aggregate, first_crossing, raw_series, run_curve, smoothing_window
 from .noise import NoiseCheck, baseline_improvement
-from .readers import CompareError, RunHistory, canonical_key, canonical_x, default_arm
+from .readers import CompareError, RunHistory, canonical_key, canonical_x, default_arm, duplicated_steps
 
 DEFAULT_METRIC = "reward"
 DEFAULT_X = "cost_aware/policy_tokens"
@@ -50,6 +50,7 @@ class Result:
     arm_members: dict  # arm label -> [run names]
     noise: NoiseCheck  # did the baseline improve beyond noise? (no: no tokens-to-target numbers, no savings)
     compute_weights: TokenWeights | None = None  # None: no compute (no split, or rows without the token counters)
+    warnings: list[str] = field(default_factory=list)  # one line each: a record with duplicated steps
 
     @property
     def claim(self) -> bool:
@@ -69,6 +70,7 @@ class Result:
             "targets": [t.__dict__ for t in self.targets],
             "arms": self.arms,
             "runs": self.runs,
+            "warnings": self.warnings,
             "compute": None
             if self.compute_weights is None
             else {
@@ -151,6 +153,17 @@ def _step_cost(run: RunHistory) -> float | None:
     """The run's compute per step (baseline-step units) from its last row with compute and step."""
     rows = [r for r in run.rows if isinstance(r.get(COMPUTE_KEY), (int, float)) and (r.get("step") or 0) > 0]
     return rows[-1][COMPUTE_KEY] / rows[-1]["step"] if rows else None
+
+
+def duplicated_steps_warning(run: RunHistory, dup: dict) -> str:
+    """The report's line for a run whose record repeats train steps (`readers.duplicated_steps`)."""
+    return (
+        f"Warning: run `{run.name}` ({run.source}): {dup['steps']} of its {dup['train_steps']} train steps are logged "
+        f"more than once (up to {dup['max_copies']} times): its record was written by several processes at once, and "
+        "its curves and numbers mix the copies. Usually a duplicated launch: WORLD_SIZE processes that each trained "
+        "a world of 1 (on CPU, `accelerate launch --multi_gpu --num_processes N` without --use_cpu true; the trainer "
+        "now refuses it), or two runs sharing one output_dir. Rerun it."
+    )
 
 
 def _target_value(peak: float, start: float, fraction: float) -> float:
@@ -269,11 +282,14 @@ def compare_runs(
         bx, bw, bc = first_crossing(base.x, base.y, value, base.wall, base_compute) if noise.improved else (None,) * 3
         targets.append(Target(f, sign * value, bx, _finite(bw), _finite(bc)))
 
-    run_rows = []
+    run_rows, warnings = [], []
     for run in runs:
         s = _curve_stats(curves[run.name], targets, sign, noise.improved)
         s.update({"name": run.name, "arm": run.label, "seed": run.info.get("seed"), "source": run.source})
         s["kind"] = run.kind
+        s["duplicated_steps"] = dup = duplicated_steps(run.rows)
+        if dup is not None:
+            warnings.append(duplicated_steps_warning(run, dup))
         run_rows.append(s)
     base_final = _curve_stats(base, targets, sign, noise.improved)["final"]
     arm_rows = []
@@ -306,4 +322,5 @@ def compare_runs(
         arm_members={label: [r.name for r in members] for label, members in arms.items()},
         noise=noise,
         compute_weights=weights,
+        warnings=warnings,
     )
