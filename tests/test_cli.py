@@ -81,18 +81,84 @@ def nothing_loads(monkeypatch):
     monkeypatch.setattr(trainer_module, "CostAwareGRPOTrainer", Constructed)
 
 
-def test_train_without_a_model_refuses(tmp_path, nothing_loads):
-    """As `trl grpo`: no --model_name_or_path, no silent toy model."""
+def test_train_without_a_model_refuses(tmp_path, nothing_loads, capsys):
+    """As `trl grpo`: no --model_name_or_path, no silent toy model. A usage error of `trl-costaware train` (exit 2,
+    no traceback), raised as the arguments are parsed."""
     from trl_costaware.scripts.cli import main
 
-    with pytest.raises(ValueError, match="--model_name_or_path is required.*--embedded_default"):
+    with pytest.raises(SystemExit) as exit_info:
         main(["train", *COMMON, "--output_dir", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: trl-costaware train ")
+    assert "trl-costaware train: error: --model_name_or_path is required" in err and "--embedded_default true" in err
 
 
-def test_embedded_default_with_a_model_refuses(tmp_path, nothing_loads):
+def test_train_without_a_model_refuses_before_the_trainer_is_imported():
+    """The refusal comes from parsing, before `trl_costaware.trainer` (and TRL's GRPOTrainer) is imported: the
+    command answers in the time `--help` takes, not 20 s later."""
+    probe = (
+        "import sys\nfrom trl_costaware.scripts.cli import main\n"
+        "try:\n    main(['train', '--bf16', 'false', '--report_to', 'none', '--output_dir', 'unused'])\n"
+        "except SystemExit as e:\n    print('exit', e.code)\n"
+        "heavy = ('trl_costaware.trainer', 'trl.trainer.grpo_trainer')\n"
+        "print('imported', sorted(m for m in heavy if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    out = result.stdout.splitlines()
+    assert "exit 2" in out, result.stdout + result.stderr[-3000:]
+    assert "imported []" in out
+    assert "error: --model_name_or_path is required" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_build_trainer_without_a_model_refuses(tmp_path, nothing_loads):
+    """The library path (arguments built without `parse_args`'s check) refuses the same way, as a ValueError."""
+    from trl_costaware.scripts import train as train_script
+
+    args = train_script.make_parser().parse_args_and_config([*COMMON, "--output_dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="--model_name_or_path is required.*--embedded_default"):
+        train_script.build_trainer(*args)
+
+
+def test_cli_default_model_path_trains_the_built_in_model(tmp_path, monkeypatch, tiny_model_path):
+    """`trl-costaware train --embedded_default true` (no --model_name_or_path, no --dataset_name): the built-in model
+    goes to the trainer with the built-in task and its reward."""
+    from trl_costaware import trainer as trainer_module
+    from trl_costaware.embedded import warmup
     from trl_costaware.scripts.cli import main
 
-    with pytest.raises(ValueError, match="--embedded_default"):
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    class Recorded:
+        def __init__(self, model, reward_funcs, train_dataset, **kwargs):
+            seen.update(model=model, rewards=[f.__name__ for f in reward_funcs], columns=train_dataset.column_names)
+            raise Stop
+
+    monkeypatch.setattr(warmup, "warmed_up_model_path", lambda seed=0: tiny_model_path)
+    monkeypatch.setattr(trainer_module, "CostAwareGRPOTrainer", Recorded)
+    with pytest.raises(Stop):
+        main(["train", *COMMON, "--output_dir", str(tmp_path), "--embedded_default", "true"])
+    assert seen["model"] == tiny_model_path
+    assert seen["rewards"] == ["arithmetic_reward"]
+    assert "prompt" in seen["columns"] and "answer" in seen["columns"]
+
+
+def test_train_command_unavailable_says_so(monkeypatch, capsys):
+    """An installation without the train script: one line, exit 2 (the import name is the reorganised module's)."""
+    from trl_costaware.scripts.cli import main
+
+    monkeypatch.setitem(sys.modules, "trl_costaware.scripts.train", None)  # makes the import raise ImportError
+    assert main(["train", "--help"]) == 2
+    assert capsys.readouterr().err.strip() == "error: the train command is not available in this installation"
+
+
+def test_embedded_default_with_a_model_refuses(tmp_path, nothing_loads, capsys):
+    from trl_costaware.scripts.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
         main(
             [
                 "train",
@@ -105,6 +171,8 @@ def test_embedded_default_with_a_model_refuses(tmp_path, nothing_loads):
                 "x",
             ]
         )
+    assert exit_info.value.code == 2
+    assert "error: --embedded_default trains the built-in tiny model; it cannot be combined" in capsys.readouterr().err
 
 
 def test_embedded_default_trains_the_built_in_model(tmp_path, monkeypatch, tiny_model_path):

@@ -61,8 +61,16 @@ def warm_model():
 
 
 # ---------------------------------------------------------------------------------------------------- quick start
-def test_quickstart_is_trls_with_only_the_swap():
+def _quickstart_parts() -> tuple[str, str]:
+    """(the --help preamble, TRL's script with the swap) of examples/quickstart.py."""
     script = (EXAMPLES / "quickstart.py").read_text()
+    start = script.index("# train_grpo.py\n")
+    return script[:start], script[start:]
+
+
+def test_quickstart_is_trls_with_only_the_swap():
+    """Below a --help preamble, the script is TRL's quick start, line for line, but for the swap."""
+    preamble, script = _quickstart_parts()
     swapped_back = script.replace(
         "from trl_costaware import CostAwareGRPOTrainer", "from trl import GRPOTrainer"
     ).replace("CostAwareGRPOTrainer(", "GRPOTrainer(")
@@ -74,7 +82,19 @@ def test_quickstart_is_trls_with_only_the_swap():
     old = [line[1:] for line in body if line[:1] in (" ", "-")]
     new = [line[1:] for line in body if line[:1] in (" ", "+")]
     assert old == TRL_QUICKSTART.splitlines()
-    assert new == script.splitlines()
+    assert new == (preamble + script).splitlines()
+
+
+def test_quickstart_preamble_only_answers_help():
+    """The preamble is a docstring and a --help guard that exits: nothing else runs before TRL's script."""
+    import ast
+
+    preamble, _ = _quickstart_parts()
+    body = ast.parse(preamble).body
+    assert isinstance(body[0], ast.Expr) and ast.get_docstring(ast.Module(body=body, type_ignores=[]))
+    assert [type(node).__name__ for node in body[1:]] == ["Import", "If"]
+    assert ast.unparse(body[2]).splitlines()[-1].strip() == "sys.exit(0)"
+    assert "usage: accelerate launch examples/quickstart.py" in preamble
 
 
 def test_quickstart_runs_on_the_embedded_default(monkeypatch, tmp_path, warm_model):
@@ -112,6 +132,7 @@ def test_quickstart_runs_on_the_embedded_default(monkeypatch, tmp_path, warm_mod
     monkeypatch.setattr(trl.rewards, "accuracy_reward", arithmetic_reward)
     monkeypatch.setattr(trl_costaware, "CostAwareGRPOTrainer", EmbeddedTrainer)
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["quickstart.py"])  # as launched: no arguments
 
     runpy.run_path(str(EXAMPLES / "quickstart.py"), run_name="__main__")
 
@@ -260,3 +281,19 @@ def test_every_recipe_has_only_known_keys(recipe):
     config = yaml.safe_load((RECIPES / recipe).read_text())
     config.pop("env", None)
     assert make_parser().set_defaults_with_config(**config) == []  # every key is a field of one of the dataclasses
+
+
+def test_docs_recipe_table_states_the_recipes_steps():
+    """docs/examples.md's recipe table gives the embedded recipe's step count as the file sets it (it said 200 while
+    the file ran 40)."""
+    import re
+
+    import yaml
+
+    text = (ROOT / "docs" / "examples.md").read_text()
+    row = next(line for line in text.splitlines() if line.startswith("| [`embedded_default.yaml`]"))
+    steps = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) steps", row)]
+    recipe = yaml.safe_load((RECIPES / "embedded_default.yaml").read_text())
+    assert steps == [recipe["max_steps"]], row
+    header = (RECIPES / "embedded_default.yaml").read_text().split("\n\n")[0]
+    assert f"{recipe['max_steps']} steps of" in header

@@ -54,13 +54,27 @@ COMMANDS = {
         str(ROOT / "examples" / "train_cost_aware_grpo.py"),
         "--help",
     ],
+    "python examples/quickstart.py --help": [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--help"],
 }
-# Scripts that take no arguments (they run as they are): no --help to check.
-NO_ARGUMENTS = {"examples/quickstart.py"}
+# Scripts that take no arguments at all (not even --help): none today.
+NO_ARGUMENTS: set[str] = set()
+# No network: the hub offline, and every HTTP(S) request sent to a closed local port (refused at once).
+DEAD_PROXY = "http://127.0.0.1:9"
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HTTP_PROXY": DEAD_PROXY,
+    "HTTPS_PROXY": DEAD_PROXY,
+    "http_proxy": DEAD_PROXY,
+    "https_proxy": DEAD_PROXY,
+    "NO_PROXY": "",
+    "no_proxy": "",
+}
 
 
 def _run_help(argv: list[str]) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", HF_HUB_OFFLINE="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", **OFFLINE)
     return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
 
 
@@ -69,6 +83,37 @@ def test_help_exits_zero(name):
     result = _run_help(COMMANDS[name])
     assert result.returncode == 0, f"{name}: rc {result.returncode}\n{result.stderr[-3000:]}"
     assert "usage" in result.stdout.lower(), f"{name} printed no usage:\n{result.stdout[:2000]}"
+
+
+@pytest.mark.parametrize(
+    "name, usage",
+    [
+        ("trl-costaware train --help", "usage: trl-costaware train [-h] "),
+        ("python -m trl_costaware.scripts.cli train --help", "usage: trl-costaware train [-h] "),
+        ("python examples/train_cost_aware_grpo.py --help", "usage: train_cost_aware_grpo.py [-h] "),
+        ("python examples/quickstart.py --help", "usage: accelerate launch examples/quickstart.py"),
+    ],
+)
+def test_usage_line_names_the_command(name, usage):
+    """The usage line is the command the user typed: `trl-costaware train`, not `trl-costaware`."""
+    result = _run_help(COMMANDS[name])
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next((line for line in result.stdout.splitlines() if line.startswith("usage:")), "")
+    assert line.startswith(usage), result.stdout[:300]
+
+
+def test_quickstart_help_touches_neither_the_hub_nor_torch():
+    """`examples/quickstart.py --help` answers before the script's imports (datasets, TRL): nothing is downloaded."""
+    probe = (
+        "import runpy, sys\nsys.argv = ['quickstart.py', '--help']\n"
+        f"try:\n    runpy.run_path({str(ROOT / 'examples' / 'quickstart.py')!r}, run_name='__main__')\n"
+        "except SystemExit as e:\n    print('exit', e.code)\n"
+        "print('imported', sorted(m for m in ('datasets', 'torch', 'trl', 'huggingface_hub') if m in sys.modules))"
+    )
+    env = dict(os.environ, OMP_NUM_THREADS="1", **OFFLINE)
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=300)
+    assert "imported []" in result.stdout.splitlines(), result.stdout + result.stderr[-3000:]
+    assert {"exit 0", "exit None"} & set(result.stdout.splitlines()), result.stdout
 
 
 def test_every_script_and_module_main_is_checked():

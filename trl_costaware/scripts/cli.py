@@ -32,11 +32,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             from .train import main as train_main
         except ImportError as err:
-            if err.name and err.name.endswith("train_script"):
+            if err.name == f"{__package__}.train":
                 print("error: the train command is not available in this installation", file=sys.stderr)
                 return 2
             raise
-        result = train_main(rest)
+        result = train_main(rest, prog="trl-costaware train")
         return result if isinstance(result, int) else 0
     print(f"error: unknown command {command!r}\n\n{USAGE}", file=sys.stderr, end="")
     return 2

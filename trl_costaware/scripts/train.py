@@ -140,16 +140,43 @@ def resolve_reward_funcs(names: Sequence[str]) -> list[Callable]:
     return funcs
 
 
-def make_parser() -> TrlParser:
-    return TrlParser((CostAwareScriptArguments, CostAwareGRPOConfig, ModelConfig))
+def make_parser(prog: str | None = None) -> TrlParser:
+    """The script's parser; `prog` names the command in its usage line (default: the script's file name, as
+    argparse does; ``trl-costaware train`` from the CLI)."""
+    return TrlParser((CostAwareScriptArguments, CostAwareGRPOConfig, ModelConfig), prog=prog)
 
 
-def parse_args(argv: Sequence[str] | None = None):
+def model_choice_error(script_args: CostAwareScriptArguments, model_args: ModelConfig) -> str | None:
+    """Why the model arguments name no model to train (`--model_name_or_path` / `--embedded_default`), else None."""
+    if model_args.model_name_or_path is None and not script_args.embedded_default:
+        return (
+            "--model_name_or_path is required (a hub id or a local path), as for `trl grpo`. To train the built-in "
+            "warmed-up tiny model instead, pass --embedded_default true (or `embedded_default: true` in the YAML, as "
+            "in examples/recipes/embedded_default.yaml)."
+        )
+    if model_args.model_name_or_path is not None and script_args.embedded_default:
+        return (
+            "--embedded_default trains the built-in tiny model; it cannot be combined with --model_name_or_path "
+            f"{model_args.model_name_or_path!r}"
+        )
+    return None
+
+
+def parse_args(argv: Sequence[str] | None = None, prog: str | None = None):
     """(script_args, training_args, model_args) from `argv` (default ``sys.argv[1:]``), ``--config x.yaml`` included.
 
-    Parsing loads nothing (no model, dataset or tokenizer).
+    Parsing loads nothing (no model, dataset or tokenizer). Arguments that name no model to train
+    (`model_choice_error`) are a usage error here (exit 2), before the trainer's modules are imported.
     """
-    return make_parser().parse_args_and_config(list(argv) if argv is not None else None)
+    parser = make_parser(prog)
+    args = parser.parse_args_and_config(list(argv) if argv is not None else None)
+    if error := model_choice_error(args[0], args[2]):  # as parser.error, with a short usage (the full one is long)
+        parser.exit(
+            2,
+            f"usage: {parser.prog} [--config CONFIG.yaml] (--model_name_or_path MODEL | --embedded_default true) "
+            f"[ARGS ...]\n       (every argument: {parser.prog} --help)\n{parser.prog}: error: {error}\n",
+        )
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -262,17 +289,9 @@ def build_trainer(script_args: CostAwareScriptArguments, training_args: CostAwar
     """The `CostAwareGRPOTrainer` for parsed arguments (loads the model, tokenizer and datasets)."""
     from ..trainer import CostAwareGRPOTrainer
 
+    if error := model_choice_error(script_args, model_args):  # arguments built without `parse_args`
+        raise ValueError(error)
     embedded_model = model_args.model_name_or_path is None
-    if embedded_model and not script_args.embedded_default:
-        raise ValueError(
-            "--model_name_or_path is required (a hub id or a local path), as for `trl grpo`. To train the built-in "
-            "warmed-up tiny model instead, pass --embedded_default true (or `embedded_default: true` in the YAML)."
-        )
-    if not embedded_model and script_args.embedded_default:
-        raise ValueError(
-            "--embedded_default trains the built-in tiny model; it cannot be combined with --model_name_or_path "
-            f"{model_args.model_name_or_path!r}"
-        )
     if script_args.reward_funcs:
         reward_names = list(script_args.reward_funcs)
     elif script_args.reward_model_name_or_path:
@@ -370,9 +389,10 @@ def train(script_args: CostAwareScriptArguments, training_args: CostAwareGRPOCon
     return trainer
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    """Parse `argv` (default ``sys.argv[1:]``; ``--config x.yaml`` supported) and train."""
-    script_args, training_args, model_args = parse_args(argv)
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
+    """Parse `argv` (default ``sys.argv[1:]``; ``--config x.yaml`` supported) and train. `prog`: the command named in
+    the usage line (`make_parser`)."""
+    script_args, training_args, model_args = parse_args(argv, prog)
     train(script_args, training_args, model_args)
 
 
