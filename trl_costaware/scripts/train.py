@@ -165,18 +165,10 @@ def model_choice_error(script_args: CostAwareScriptArguments, model_args: ModelC
 def parse_args(argv: Sequence[str] | None = None, prog: str | None = None):
     """(script_args, training_args, model_args) from `argv` (default ``sys.argv[1:]``), ``--config x.yaml`` included.
 
-    Parsing loads nothing (no model, dataset or tokenizer). Arguments that name no model to train
-    (`model_choice_error`) are a usage error here (exit 2), before the trainer's modules are imported.
+    Parsing loads nothing (no model, dataset or tokenizer), and checks no more than the dataclasses do: `main` refuses
+    arguments that name no model to train (`model_choice_error`).
     """
-    parser = make_parser(prog)
-    args = parser.parse_args_and_config(list(argv) if argv is not None else None)
-    if error := model_choice_error(args[0], args[2]):  # as parser.error, with a short usage (the full one is long)
-        parser.exit(
-            2,
-            f"usage: {parser.prog} [--config CONFIG.yaml] (--model_name_or_path MODEL | --embedded_default true) "
-            f"[ARGS ...]\n       (every argument: {parser.prog} --help)\n{parser.prog}: error: {error}\n",
-        )
-    return args
+    return make_parser(prog).parse_args_and_config(list(argv) if argv is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -391,8 +383,16 @@ def train(script_args: CostAwareScriptArguments, training_args: CostAwareGRPOCon
 
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     """Parse `argv` (default ``sys.argv[1:]``; ``--config x.yaml`` supported) and train. `prog`: the command named in
-    the usage line (`make_parser`)."""
-    script_args, training_args, model_args = parse_args(argv, prog)
+    the usage line (`make_parser`). Arguments that name no model to train (`model_choice_error`) are a usage error
+    (exit 2), before the trainer's modules are imported."""
+    parser = make_parser(prog)
+    script_args, training_args, model_args = parser.parse_args_and_config(list(argv) if argv is not None else None)
+    if error := model_choice_error(script_args, model_args):  # as parser.error, with a short usage (the full is long)
+        parser.exit(
+            2,
+            f"usage: {parser.prog} [--config CONFIG.yaml] (--model_name_or_path MODEL | --embedded_default true) "
+            f"[ARGS ...]\n       (every argument: {parser.prog} --help)\n{parser.prog}: error: {error}\n",
+        )
     train(script_args, training_args, model_args)
 
 
