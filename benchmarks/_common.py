@@ -147,23 +147,23 @@ TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
 for _tb in GRPO_TOKENS_PER_STEP:
     for _arm, _share in (("cost_aware_compute_gen55", 0.55), ("cost_aware_compute_gen77", 0.77)):
         _price = round(generation_token_cost(_tb, _share), 4)
-        for _name in (_arm, _arm.replace("compute", "compute_cal", 1)):
-            TESTBED_ARM_SETTINGS.setdefault(_tb, {})[_name] = {"cost_aware_generation_token_cost": _price}
+        TESTBED_ARM_SETTINGS.setdefault(_tb, {})[_arm] = {"cost_aware_generation_token_cost": _price}
 
 
-# GRESO-style skip (arXiv 2506.02177, simplified as issue 34 states it): a prompt whose last visit was zero-variance
-# is drawn with relative chance GRESO_EXPLORE, every other prompt with chance 1; no weights (biased by design).
-GRESO_EXPLORE = 0.2
+# GRESO (arXiv 2506.02177; issue 38's faithful arm, `prompts.sampling.greso_keep_probability`): walking the pool in
+# shuffled order, a prompt whose last n visits were all zero-variance is skipped with probability 1 − max(pⁿ, 0.01),
+# p separate for easy (all-correct) and hard (all-wrong) prompts, each starting at 0.5 and moving 0.01 per batch toward
+# a target share of such prompts (`prompts.history.GRESO_TARGETS`: 12.5% each); no weights (biased by design).
 
 
 def greso_trainer():
-    """`CostAwareGRPOTrainer` whose prompt stage runs the GRESO-style rule (`prompt_history.RULES`)."""
+    """`CostAwareGRPOTrainer` whose prompt stage runs the GRESO rule (`prompts.history.RULES`)."""
     from trl_costaware import CostAwareGRPOTrainer
 
     class GresoTrainer(CostAwareGRPOTrainer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
-            self._prompt_history.rule, self._prompt_history.explore = "greso", GRESO_EXPLORE
+            self._prompt_history.rule = "greso"
 
     return GresoTrainer
 
