@@ -605,6 +605,7 @@ def test_eval_and_train_rows_at_one_step_are_not_duplicates():
     ]
     assert duplicated_steps(rows) is None
     online = [{"step": 2, "reward": 0.2}, {"step": 2, "eval_reward": 0.3}, {"step": 2, "train_runtime": 1.0}]
+    online.append({"step": 2, "_step": 7, "wall_time": 3.0, "time": 1.0})  # a row that only logged a table
     assert duplicated_steps(online) is None
     twice = rows + [{"step": 1, "split": "train", "reward": 0.1}] * 2
     assert duplicated_steps(twice) == {"steps": 1, "train_steps": 2, "max_copies": 3}

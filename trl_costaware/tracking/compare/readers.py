@@ -104,6 +104,9 @@ def read_local_run(path: str) -> RunHistory:
     return RunHistory(name=name, source=folder, kind="local", rows=rows, info=info)
 
 
+_BOOKKEEPING = frozenset({"step", "epoch", "wall_time", "time", "split", "_step"})
+
+
 def _row_split(row: dict) -> str:
     """A row's split: its ``split`` (local record), else from its keys (W&B rows carry none)."""
     if row.get("split"):
@@ -124,7 +127,8 @@ def duplicated_steps(rows: list[dict[str, Any]]) -> dict[str, int] | None:
     counts: dict[Any, int] = {}
     for row in rows:
         step = row.get("step")
-        if isinstance(step, (int, float)) and _row_split(row) == "train":
+        has_metric = any(k not in _BOOKKEEPING for k in row)  # not e.g. a W&B row of a completions table alone
+        if isinstance(step, (int, float)) and has_metric and _row_split(row) == "train":
             counts[step] = counts.get(step, 0) + 1
     repeated = [n for n in counts.values() if n > 1]
     if not repeated:
