@@ -94,6 +94,26 @@ def test_train_without_a_model_refuses(tmp_path, nothing_loads, capsys):
     assert "trl-costaware train: error: --model_name_or_path is required" in err and "--embedded_default true" in err
 
 
+@pytest.mark.parametrize("where", ["flag", "flag=value", "yaml"])
+def test_train_refuses_a_removed_field_naming_its_replacement(tmp_path, nothing_loads, capsys, where):
+    """A field the config audit removed is a usage error naming what replaces it, on the command line and in the
+    recipe's YAML (TRL's parser alone would reject it without the replacement, or after building the config)."""
+    from trl_costaware.scripts.cli import main
+
+    extra = {
+        "flag": ["--cost_aware_group_by_length", "true"],
+        "flag=value": ["--cost_aware_group_by_length=true"],
+        "yaml": ["--config", str(tmp_path / "recipe.yaml")],
+    }[where]
+    (tmp_path / "recipe.yaml").write_text("embedded_default: true\ncost_aware_group_by_length: true\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *COMMON, "--output_dir", str(tmp_path), *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: trl-costaware train ")
+    assert "cost_aware_group_by_length was removed: use cost_aware_layout='even_by_length'" in err
+
+
 def test_train_without_a_model_refuses_before_the_trainer_is_imported():
     """The refusal comes from parsing, before `trl_costaware.trainer` (and TRL's GRPOTrainer) is imported: the
     command answers in the time `--help` takes, not 20 s later."""

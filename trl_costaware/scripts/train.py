@@ -23,9 +23,10 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import yaml
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
-from ..config import CostAwareGRPOConfig
+from ..config import REMOVED_FIELDS, CostAwareGRPOConfig, removed_fields_message
 
 logger = logging.getLogger(__name__)
 
@@ -162,13 +163,34 @@ def model_choice_error(script_args: CostAwareScriptArguments, model_args: ModelC
     return None
 
 
+def removed_fields_set(argv: Sequence[str]) -> list[str]:
+    """The fields of `REMOVED_FIELDS` that `argv` sets, as ``--name`` / ``--name=value`` or as a key of its
+    ``--config`` YAML (which TRL's parser would turn into flags it rejects without naming the replacement)."""
+    names = {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
+    for i, arg in enumerate(argv):
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else argv[i + 1] if arg == "--config" else None
+        if path is not None and os.path.isfile(path):
+            with open(path) as f:
+                config = yaml.safe_load(f)
+            names |= set(config) if isinstance(config, dict) else set()
+    return [name for name in REMOVED_FIELDS if name in names]
+
+
 def parse_args(argv: Sequence[str] | None = None, prog: str | None = None):
     """(script_args, training_args, model_args) from `argv` (default ``sys.argv[1:]``), ``--config x.yaml`` included.
 
     Parsing loads nothing (no model, dataset or tokenizer), and checks no more than the dataclasses do: `main` refuses
-    arguments that name no model to train (`model_choice_error`).
+    arguments that name no model to train (`model_choice_error`). A field removed from the config is a usage error
+    naming its replacement (`config.REMOVED_FIELDS`).
     """
-    return make_parser(prog).parse_args_and_config(list(argv) if argv is not None else None)
+    return _parse(make_parser(prog), argv)
+
+
+def _parse(parser: TrlParser, argv: Sequence[str] | None):
+    argv = list(argv) if argv is not None else sys.argv[1:]
+    if removed := removed_fields_set(argv):
+        parser.error(removed_fields_message(removed))
+    return parser.parse_args_and_config(argv)
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -386,7 +408,7 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> None:
     the usage line (`make_parser`). Arguments that name no model to train (`model_choice_error`) are a usage error
     (exit 2), before the trainer's modules are imported."""
     parser = make_parser(prog)
-    script_args, training_args, model_args = parser.parse_args_and_config(list(argv) if argv is not None else None)
+    script_args, training_args, model_args = _parse(parser, argv)
     if error := model_choice_error(script_args, model_args):  # as parser.error, with a short usage (the full is long)
         parser.exit(
             2,
