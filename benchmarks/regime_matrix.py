@@ -428,11 +428,16 @@ def run_in_cell(ctx: dict, arm: str, seed: int) -> dict:
     return r
 
 
-def schedule(cells: list[str], arms: list[str], seeds: list[int]) -> list[tuple[str, str, int]]:
+def schedule(
+    cells: list[str], arms: list[str], seeds: list[int], seed_major: bool = False
+) -> list[tuple[str, str, int]]:
     """(cell, arm, seed) in run order: GRPO for every seed of every cell first (each arm's budget is its GRPO's
-    compute), then arm-major (arms in the given order, the package default first), seed, cell: a partial matrix
-    holds the first arms in every cell at the same seeds."""
+    compute, and an arm's step cap depends on every GRPO seed's measured split), then arm-major (arms in the given
+    order, the package default first), seed, cell: a partial matrix holds the first arms in every cell at the same
+    seeds. `seed_major`: seed, arm, cell instead, so that a partial matrix holds complete paired seeds."""
     order = [(c, "grpo", s) for s in seeds for c in cells]
+    if seed_major:
+        return order + [(c, a, s) for s in seeds for a in arms if a != "grpo" for c in cells]
     return order + [(c, a, s) for a in arms if a != "grpo" for s in seeds for c in cells]
 
 
@@ -445,6 +450,11 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="run folder (default outputs/bench/regime_matrix[_smoke])")
     p.add_argument("--smoke", action="store_true", help="tiny batches, 3 steps, 1 seed, 2 arms: the machinery only")
     p.add_argument("--analyze-only", action="store_true")
+    p.add_argument(
+        "--seed-major",
+        action="store_true",
+        help="after GRPO, run the arms seed by seed (complete paired seeds first) instead of arm by arm",
+    )
     p.add_argument("--tag", default="regime_matrix", help="results name: benchmarks/results/<tag>.{json,md}")
     args = p.parse_args(argv)
     tag = f"{args.tag}_smoke" if args.smoke else args.tag
@@ -470,7 +480,7 @@ def main(argv=None):
         for cell in cells:
             contexts[cell] = setup_cell(cell, root, seeds, steps or get_testbed(CELLS[cell][0]).steps, args.smoke)
             write_results(root, cells, tag, command, results)
-        for cell, arm, seed in schedule([c for c in cells if contexts[c]], arms, seeds):
+        for cell, arm, seed in schedule([c for c in cells if contexts[c]], arms, seeds, args.seed_major):
             run_in_cell(contexts[cell], arm, seed)
             write_results(root, cells, tag, command, results)
     res = write_results(root, cells, tag, command, results)

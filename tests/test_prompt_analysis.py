@@ -75,3 +75,13 @@ def test_a_slower_arm_fails_its_goals(tmp_path):
     goals = pa.analyse(str(tmp_path))["goals"]
     assert not goals["compute_gpu_0.5"]["met"] and not goals["vs_greso_cpu_0.5"]["met"]
     assert not goals["compute_gpu_0.95"]["met"] and goals["compute_gpu_0.95"]["reached"] == "3/3"  # reached, dearer
+
+
+def test_the_seed_major_schedule_completes_paired_seeds_first():
+    """`regime_matrix.py --seed-major` (issue 38's rerun): GRPO for every seed first (an arm's step cap depends on
+    every GRPO seed), then every arm of seed 0, then of seed 1: a partial run holds complete paired seeds."""
+    import regime_matrix as rm
+
+    order = rm.schedule(["c"], ["grpo", "a", "b"], [0, 1], seed_major=True)
+    assert order == [("c", "grpo", 0), ("c", "grpo", 1), ("c", "a", 0), ("c", "b", 0), ("c", "a", 1), ("c", "b", 1)]
+    assert rm.schedule(["c"], ["grpo", "a", "b"], [0, 1])[2:4] == [("c", "a", 0), ("c", "a", 1)]
