@@ -95,7 +95,7 @@ BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime bench-noise \
-	bench-batch-shapes bench-profile profile bench-prompt bench-prompt-predictability
+	bench-batch-shapes bench-profile profile bench-prompt bench-prompt-issue38 bench-prompt-predictability
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -134,6 +134,15 @@ bench-prompt: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py --cells long_epochs,default_epochs --arms $(PROMPT_ARMS) \
 		--seeds 3 --out outputs/bench/prompt_matrix --tag prompt_matrix_runs
 	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_analysis.py --root outputs/bench/prompt_matrix
+
+# Issue 38's rerun of §9's cell with the reworked prompt stage (balanced epochs, value sqrt(1 - z), fitted prior) and a
+# faithful GRESO arm (BENCHMARKS.md §9.1; `make bench-prompt` above is issue 34's run and writes prompt_matrix.*).
+bench-prompt-issue38: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py --cells long_epochs --arms grpo,cost_aware_0.5,greso,prompt,both \
+		--seeds 3 --seed-major --out outputs/bench/prompt_issue38 --tag prompt_issue38_runs
+	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_analysis.py --root outputs/bench/prompt_issue38 --cells long_epochs \
+		--out benchmarks/results/prompt_matrix_issue38
+	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_predictability.py --out benchmarks/results/prompt_predictability_issue38
 
 # How well does a prompt's reward history predict a zero-variance group, and what could a draw built on it save? (§9)
 bench-prompt-predictability: $(STAMP)
