@@ -341,8 +341,8 @@ def main(argv: list[str] | None = None) -> None:
 
     bed = get_testbed(args.testbed)
     print(
-        f"Building the tiny model and its SFT warm-up for the {bed.name} testbed (cached after the first run; 2-8 min)"
-        " ...",
+        f"Loading the {bed.name} testbed's warmed-up tiny model (its weights ship with the package: seconds; "
+        "rebuilt from its recipe with TRL_COSTAWARE_REBUILD=1: minutes) ...",
         flush=True,
     )
     print(f"  model: {bed.model_path()}", flush=True)
