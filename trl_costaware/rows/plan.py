@@ -159,7 +159,7 @@ class PlanSettings:
                 f"PlanSettings: kept_fraction={self.kept_fraction!r} and token_budget both choose m; set one of them"
             )
         if self.weight_normalization == "recenter" and self.weight_floor is None:
-            object.__setattr__(self, "weight_floor", 0.0)  # weights stay non-negative (the config refuses a negative cap)
+            object.__setattr__(self, "weight_floor", 0.0)  # weights stay non-negative
 
     @classmethod
     def from_args(cls, args, zero_advantage_carries_gradient: bool) -> PlanSettings:
