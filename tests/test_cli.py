@@ -114,6 +114,16 @@ def test_train_refuses_a_removed_field_naming_its_replacement(tmp_path, nothing_
     assert "cost_aware_group_by_length was removed: use cost_aware_layout='even_by_length'" in err
 
 
+def test_a_trailing_config_flag_is_a_usage_error(tmp_path, nothing_loads, capsys):
+    """`--config` with no path is a usage error, not an IndexError (in our removed-field check or in TRL's parser)."""
+    from trl_costaware.scripts.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", *COMMON, "--output_dir", str(tmp_path), "--config"])
+    assert exit_info.value.code == 2
+    assert "argument --config: expected one argument" in capsys.readouterr().err
+
+
 def test_train_without_a_model_refuses_before_the_trainer_is_imported():
     """The refusal comes from parsing, before `trl_costaware.trainer` (and TRL's GRPOTrainer) is imported: the
     command answers in the time `--help` takes, not 20 s later."""

@@ -168,7 +168,9 @@ def removed_fields_set(argv: Sequence[str]) -> list[str]:
     ``--config`` YAML (which TRL's parser would turn into flags it rejects without naming the replacement)."""
     names = {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
     for i, arg in enumerate(argv):
-        path = arg.split("=", 1)[1] if arg.startswith("--config=") else argv[i + 1] if arg == "--config" else None
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
+        if arg == "--config" and i + 1 < len(argv):  # a bare trailing --config: `_parse` refuses it
+            path = argv[i + 1]
         if path is not None and os.path.isfile(path):
             with open(path) as f:
                 config = yaml.safe_load(f)
@@ -190,6 +192,8 @@ def _parse(parser: TrlParser, argv: Sequence[str] | None):
     argv = list(argv) if argv is not None else sys.argv[1:]
     if removed := removed_fields_set(argv):
         parser.error(removed_fields_message(removed))
+    if argv and argv[-1] == "--config":  # TRL's parse_args_and_config reads argv[index + 1]: an IndexError
+        parser.error("argument --config: expected one argument")
     return parser.parse_args_and_config(argv)
 
 
