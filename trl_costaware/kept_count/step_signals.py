@@ -1,5 +1,7 @@
-"""What the "compute" rule measures in the run: the gradient noise scale and each generation batch's costs (a mixin of
-`CostAwareGRPOTrainer`; the math is in `compute_budget.py`).
+"""What the "compute" rule and the "auto" prompt count measure in the run: the gradient noise scale and each
+generation batch's costs (a mixin of `CostAwareGRPOTrainer`; the math is in `compute_budget.py` and `prompt_count.py`).
+The measurements run when either rule is on (`cost_aware_kept_fraction="compute"`, `cost_aware_prompt_fraction=
+"auto"`, the latter with `cost_aware=False` too), and cost nothing otherwise.
 
 **Noise scale.** At each optimizer step, before clipping, `_observe_gradient` reads the accumulated gradient G_t of
 the trainable parameters: |G_t|², and G_t · G_t' with the stored gradient of the latest step of an earlier generation
@@ -21,6 +23,11 @@ backward, and no float32 copy of a whole parameter (`compute_budget.gradient_ter
 
 A step whose gradient is not finite (an fp16 overflow: the scaler skips that step) is neither counted nor stored.
 
+**At the full batch.** A generation batch that generated for a fraction φ_t of its prompts (`cost_aware_prompt_
+fraction`) has 1/φ_t times the full batch's noise, so its step enters the noise scale with the inflation
+(1 + I_t)/φ_t − 1: ρ (`_noise`) is always the full generation batch's (`_full_batch_rho`); the "compute" rule gets
+ρ/φ_t, the noise-to-signal of the batch it draws rows from.
+
 **Costs** (`cost_aware_cost_model="time"`). A window runs from the start of one generation batch's generation to the
 start of the next. Its fixed cost is the generation and scoring (`_generate_and_score_completions`) plus every
 optimizer step in it; its update cost is the time in `training_step` less the generation inside it (forward,
@@ -30,6 +37,10 @@ over windows (`NOISE_EMA`) and per rank. (Under DeepSpeed the engine's optimizer
 synchronisations per micro-step, around `training_step`, and two per generation batch and per optimizer step), so that
 asynchronous kernels are counted in the phase that launched them. Evaluation, logging and checkpoints fall outside
 every timed phase. Until a window has been timed the rule uses the token model.
+
+For the prompt count, each closed window also feeds `prompt_count.StepCostFit` (generation seconds against the
+batch's generated tokens: a per-step and a per-token term), the optimizer seconds, and the generated and kept policy
+tokens scaled to the full batch (x_t/φ_t, P_t/φ_t).
 
 **Checkpoints** (`_compute_state`, `_load_compute_state`): the noise scale's and the costs' averages, the step's
 inflation and rows, and the window of the latest generation batch when its micro-steps are all done (it closes at the
@@ -49,6 +60,7 @@ from transformers import TrainerCallback
 
 from .budget import COMPUTE
 from .compute_budget import ComputeSignal, Ema, NoiseScale, gradient_terms, rows_per_optimizer_step
+from .prompt_count import AUTO, StepCostFit
 
 # Where the estimator reads the gradient (`gradient_source`).
 PARAM_GRAD, ZERO0, ZERO1 = "param.grad", "zero0", "zero1"
@@ -100,9 +112,16 @@ class ComputeSignals:
     def _init_compute_signals(self):
         args = self.args
         self._compute_rule = bool(args.cost_aware) and args.cost_aware_kept_fraction == COMPUTE
+        # Whether the run measures the noise scale and its costs: either rule needs them.
+        self._signals_on = self._compute_rule or args.cost_aware_prompt_fraction == AUTO
         decay = NOISE_EMA
         self._noise = NoiseScale(decay)
         self._fixed_cost, self._token_cost = Ema(decay), Ema(decay)
+        # The prompt count's costs (module docstring): generation seconds against generated tokens, optimizer seconds,
+        # and the batch's generated and kept policy tokens scaled to the full batch.
+        self._generation_fit = StepCostFit(decay)
+        self._optimizer_cost, self._generated_full, self._policy_full = Ema(decay), Ema(decay), Ema(decay)
+        self._batch_fraction = 1.0  # φ of the generation batch being trained on
         stage = None
         if self.is_deepspeed_enabled:
             stage = int(getattr(self.accelerator.state.deepspeed_plugin, "zero_stage", 0) or 0)
@@ -113,15 +132,23 @@ class ComputeSignals:
         self._observed_step = -1
         self._window = None
         self._step_inflation, self._step_rows = 0.0, 0.0
-        if not self._compute_rule:
+        if not self._signals_on:
             return
         self.add_callback(_OptimizerTimer(self))
-        if not self._noise_available:
+        if not self._noise_available and self._compute_rule:
             warnings.warn(
                 "cost_aware_kept_fraction='compute' cannot read the gradient under DeepSpeed ZeRO-2/3 or FSDP (it "
                 "is sharded outside param.grad), so the gradient noise scale is not measured: every generation batch "
                 f"uses the 'auto' rule (variance inflation at most "
                 f"cost_aware_budget_delta={args.cost_aware_budget_delta}).",
+                UserWarning,
+                stacklevel=3,
+            )
+        if not self._noise_available and args.cost_aware_prompt_fraction == AUTO:
+            warnings.warn(
+                "cost_aware_prompt_fraction='auto' cannot read the gradient under DeepSpeed ZeRO-2/3 or FSDP (it is "
+                "sharded outside param.grad), so the gradient noise scale is not measured: every generation batch "
+                "generates for all of its prompts (today's behaviour; cost_aware/prompt_rule_fallback = 1).",
                 UserWarning,
                 stacklevel=3,
             )
@@ -135,16 +162,27 @@ class ComputeSignals:
     def _begin_generation(self) -> float:
         """At the start of a training generation batch: closes the previous window, opens a new one."""
         self._generation_index += 1
-        if not self._compute_rule:
+        if not self._signals_on:
             return 0.0
         now = self._clock()
         self._close_window()
-        self._window = {"generation": 0.0, "optimizer": 0.0, "train": 0.0, "tokens": 0.0}
+        self._window = {"generation": 0.0, "optimizer": 0.0, "train": 0.0, "tokens": 0.0, "generated": 0.0}
         return now
 
     def _end_generation(self, start: float):
-        if self._compute_rule and self._window is not None:
+        if self._signals_on and self._window is not None:
             self._window["generation"] = self._clock() - start
+
+    def _note_generation(self, generated: float, policy: float, rows: float):
+        """This rank's generated tokens and policy tokens per pass (kept rows) of the open window's batch, and the
+        generation batch's rows (all ranks) for the noise scale's per-row metric."""
+        if not self._signals_on:
+            return
+        if self._window is not None:
+            self._window["generated"] = float(generated)
+            self._window["tokens"] = float(policy)
+        args = self.args
+        self._step_rows = rows_per_optimizer_step(rows, args.steps_per_generation, args.gradient_accumulation_steps)
 
     def _close_window(self):
         w, self._window = self._window, None
@@ -154,12 +192,19 @@ class ComputeSignals:
         update = max(w["train"] - w["generation"], 0.0)
         self._fixed_cost.update(fixed)
         self._token_cost.update(update / w["tokens"])
+        phi = w.get("fraction", 1.0)
+        generated = w.get("generated", 0.0)
+        self._generation_fit.update(generated, w["generation"])
+        self._optimizer_cost.update(w["optimizer"])
+        if generated > 0:
+            self._generated_full.update(generated / phi)
+        self._policy_full.update(w["tokens"] / phi)
         metrics = self._metrics["train"]
         metrics["cost_aware/time_fixed_s"].append(fixed)
         metrics["cost_aware/time_update_s"].append(update)
 
     def training_step(self, *args, **kwargs):
-        if not self._compute_rule:  # (the model is put in training mode inside the first call)
+        if not self._signals_on:  # (the model is put in training mode inside the first call)
             return super().training_step(*args, **kwargs)
         start = self._clock()
         loss = super().training_step(*args, **kwargs)
@@ -170,23 +215,20 @@ class ComputeSignals:
     def _note_plan(self, plan, rows):
         """After the plan: this rank's kept policy tokens (per pass) for the window, the step's predicted inflation
         and its rows (all ranks) for the noise scale."""
-        if not self._compute_rule:
+        if not self._signals_on:
             return
-        if self._window is not None:
-            tokens = float((rows.prompt_tokens + rows.completion_tokens)[plan.indices].sum())
-            self._window["tokens"] = tokens
+        tokens = float((rows.prompt_tokens + rows.completion_tokens)[plan.indices].sum())
+        self._note_generation(float(rows.generated_tokens.sum()), tokens, plan.totals["rows"])
         inflation = plan.metrics.get("budget_inflation", 0.0)
         self._step_inflation = inflation if 0.0 <= inflation < math.inf else 0.0
-        args = self.args
-        self._step_rows = rows_per_optimizer_step(
-            plan.totals["rows"], args.steps_per_generation, args.gradient_accumulation_steps
-        )
 
     def _compute_signal(self) -> ComputeSignal | None:
         if not self._compute_rule:
             return None
         args = self.args
-        rho = self._noise.ratio if self._noise_available else None
+        rho = self._full_batch_rho() if self._noise_available else None
+        if rho is not None:
+            rho = rho / self._batch_fraction  # the noise-to-signal of the batch the rows are drawn from
         fixed, per_token = None, float(self.num_iterations)
         if args.cost_aware_cost_model == "time" and self._fixed_cost.value is not None:
             fixed, per_token = self._fixed_cost.value, self._token_cost.value
@@ -197,6 +239,16 @@ class ComputeSignals:
             token_cost=per_token,
             generation_token_cost=args.cost_aware_generation_token_cost,
         )
+
+    def _full_batch_rho(self) -> float | None:
+        """ρ of the full generation batch (module docstring), None before the first pair of steps."""
+        return self._noise.ratio
+
+    def _open_window_fraction(self, fraction: float):
+        """The fraction φ of the prompts the open window's batch generated for (and trains on)."""
+        self._batch_fraction = float(fraction)
+        if self._window is not None:
+            self._window["fraction"] = float(fraction)
 
     # ------------------------------------------------------------------ gradient noise scale
     def _grad_scaler_scale(self) -> float:
@@ -211,7 +263,7 @@ class ComputeSignals:
         and logs it. `scaled`: the gradient may still carry the GradScaler's scale (the call in `_clip_grad_norm`,
         before accelerate unscales); False where it was unscaled already. Under DeepSpeed the engine's step reads
         (`_attach_engine_reader`) and this does nothing."""
-        if not (self._compute_rule and self._gradient_source == PARAM_GRAD and self.model.training):
+        if not (self._signals_on and self._gradient_source == PARAM_GRAD and self.model.training):
             return
         if self._observed_step == self.state.global_step:
             return
@@ -224,7 +276,7 @@ class ComputeSignals:
     def _attach_engine_reader(self):
         """DeepSpeed ZeRO-0/1 (`gradient_source`): wraps the engine's `step` so that, at each accumulation boundary,
         the gradient is read before the engine steps and clears it (accelerate calls the step inside `backward`)."""
-        if not (self._compute_rule and self._gradient_source in (ZERO0, ZERO1)):
+        if not (self._signals_on and self._gradient_source in (ZERO0, ZERO1)):
             return
         engine = self.model_wrapped
         if getattr(engine, "_cost_aware_reader", False) or not hasattr(engine, "step"):
@@ -315,7 +367,8 @@ class ComputeSignals:
         metrics["cost_aware/noise_grad_sq"].append(grad_sq)
         if not paired:
             return
-        self._noise.update(grad_sq, grad_dot, self._step_inflation)
+        # normalised to the full generation batch: a φ-fraction of the prompts has 1/φ times its noise
+        self._noise.update(grad_sq, grad_dot, (1.0 + self._step_inflation) / self._batch_fraction - 1.0)
         metrics["cost_aware/noise_grad_dot"].append(grad_dot)
         ratio = self._noise.ratio
         if ratio is not None and math.isfinite(ratio):
@@ -334,7 +387,13 @@ class ComputeSignals:
             "token_cost": [self._token_cost.total, self._token_cost.weight],
             "window": dict(self._window) if complete else None,
             "step": [self._step_inflation, self._step_rows],
+            "generation_fit": self._generation_fit.state_dict(),
+            "prompt_costs": [[e.total, e.weight] for e in self._prompt_emas()],
+            "batch_fraction": self._batch_fraction,
         }
+
+    def _prompt_emas(self) -> tuple[Ema, Ema, Ema]:
+        return self._optimizer_cost, self._generated_full, self._policy_full
 
     def _load_compute_state(self, state: dict):
         self._noise.load_state_dict(state["noise"])
@@ -344,5 +403,10 @@ class ComputeSignals:
         self._window = dict(window) if window is not None else None
         if "step" in state:
             self._step_inflation, self._step_rows = (float(v) for v in state["step"])
+        if "generation_fit" in state:
+            self._generation_fit.load_state_dict(state["generation_fit"])
+            for ema, (total, weight) in zip(self._prompt_emas(), state["prompt_costs"], strict=True):
+                ema.total, ema.weight = float(total), float(weight)
+            self._batch_fraction = float(state["batch_fraction"])
         # The stored gradient is not in the checkpoint: the next step starts the lag again (module docstring).
         self._previous_grad, self._previous_generation, self._previous_scale = None, None, 1.0
