@@ -15,6 +15,7 @@ from ._compat import check_trl_version
 from .core.sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATIONS
 from .kept_count.budget import RULES, KeptFraction
 from .kept_count.compute_budget import COST_MODELS
+from .kept_count.prompt_count import PromptFraction, check_prompt_fields
 from .prompts.sampling import VALUE_SCALES
 from .rows.layout import LAYOUTS, full_micro_batch_layout, layout_of, sampling_floor_warning
 from .rows.plan import check_loss_type
@@ -124,7 +125,8 @@ class CostAwareGRPOConfig(GRPOConfig):
             (`trl_costaware/kept_count/compute_budget.py`, docs/budget_and_proxy.md §3; McCandlish et al. 2018, "An
             Empirical Model of Large-Batch Training"). Every row is kept until the noise scale has its first estimate
             (the second optimizer step); under DeepSpeed and FSDP, where the gradient is not readable, it falls back to
-        `"auto"`. cost_aware_cost_model (`str`, defaults to `"time"`):
+            `"auto"`.
+        cost_aware_cost_model (`str`, defaults to `"time"`):
             With `"compute"`: `"time"` (the run's measured seconds: generation, scoring and optimizer step as C_fix,
             update seconds per kept policy token as κ; the token model until the first generation batch is timed) or
             `"tokens"` (C_fix = `cost_aware_generation_token_cost` × generated tokens, κ = `num_iterations`).
@@ -198,6 +200,28 @@ class CostAwareGRPOConfig(GRPOConfig):
         cost_aware_prompt_forgetting (`float`, defaults to `0.5`):
             γ ∈ [0, 1]: at each visit the posterior's pseudo-counts above the prior are multiplied by γ before the
             visit's counts are added (1 never forgets, 0 keeps the last visit only).
+        cost_aware_prompt_fraction (`float` or `"auto"`, defaults to `1.0`):
+            The share φ of each generation batch's prompts that are generated for (docs/prompt_count.md), with
+            `cost_aware=True` or `False`: before generation each rank keeps k of its K_r groups (the same k on every
+            rank, drawn uniformly without replacement from the prompts TRL's sampler drew), so the step is GRPO's
+            step at φ times the prompts, unbiased, and generation, scoring and update all shrink. 1.0: every prompt
+            (TRL's behaviour). A number in (0, 1): k is the count nearest φ K_r whose rows split into
+            `steps_per_generation` equal micro-batches. `"auto"`: per generation batch, the k minimising the
+            predicted compute to the target, (1 + ρ/φ)(A + φ B), with ρ the full batch's measured gradient
+            noise-to-signal ratio and A, B the per-step and per-prompt-share costs fitted from the run's own steps,
+            subject to at most `cost_aware_max_step_ratio` times the full batch's steps; every prompt until the
+            noise scale has 4 pairs of steps (`trl_costaware/kept_count/prompt_count.py`). Needs
+            `per_device_train_batch_size × steps_per_generation` to be a multiple of `num_generations`; not with
+            `cost_aware_prompt_sampling` or `cost_aware_layout="full"`. `max_steps`, epochs and the learning-rate
+            schedule keep TRL's meaning: a run that should reach GRPO's accuracy needs about the predicted step
+            ratio times GRPO's steps.
+        cost_aware_max_step_ratio (`float`, defaults to `1.5`):
+            With `cost_aware_prompt_fraction="auto"`: the most steps to the target, relative to the full batch's, the
+            rule may trade for compute (≥ 1; 1 only measures and logs its predictions).
+        cost_aware_generation_step_cost (`float`, defaults to `0.0`):
+            With `cost_aware_prompt_fraction="auto"` and `cost_aware_cost_model="tokens"`: a generation batch's cost
+            that does not shrink with its prompts (an inference engine's latency floor), in policy-update tokens per
+            rank (≥ 0).
     """
 
     cost_aware: bool = field(
@@ -339,6 +363,31 @@ class CostAwareGRPOConfig(GRPOConfig):
         },
     )
 
+    cost_aware_prompt_fraction: PromptFraction = field(
+        default=1.0,
+        metadata={
+            "help": "Share of each generation batch's prompts generated for, with cost_aware True or False: each "
+            "rank keeps the same number of its groups, drawn uniformly, so the step is GRPO's at fewer prompts "
+            "(unbiased). 1.0: all (TRL's behaviour); a number in (0, 1]; or 'auto': per generation batch, the count "
+            "minimising the predicted compute to the target (1 + rho/phi)(A + phi B) from the run's measured "
+            "gradient noise and step costs, within cost_aware_max_step_ratio of the full batch's steps."
+        },
+    )
+    cost_aware_max_step_ratio: float = field(
+        default=1.5,
+        metadata={
+            "help": "With cost_aware_prompt_fraction='auto': the most steps to the target, relative to generating "
+            "every prompt, the rule may trade for compute (>= 1; 1 only measures and logs its predictions)."
+        },
+    )
+    cost_aware_generation_step_cost: float = field(
+        default=0.0,
+        metadata={
+            "help": "With cost_aware_prompt_fraction='auto' and cost_aware_cost_model='tokens': a generation batch's "
+            "cost that does not shrink with its prompts, in policy-update tokens per rank (>= 0)."
+        },
+    )
+
     def __post_init__(self):
         if self.cost_aware and self.cost_aware_layout == "full":
             self._apply_full_micro_batch_layout()  # before TRL derives the generation batch from these fields
@@ -413,6 +462,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             raise ValueError(f"cost_aware_weight_cap must be a number > 0 or None, got {cap!r}")
 
         self._check_prompt_sampling()
+        self.cost_aware_prompt_fraction = check_prompt_fields(self)
 
     def _check_prompt_sampling(self):
         smoothing, forgetting = self.cost_aware_prompt_smoothing, self.cost_aware_prompt_forgetting

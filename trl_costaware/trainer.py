@@ -31,6 +31,7 @@ from trl import GRPOTrainer
 
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .core.sampling import sequence_costs, stream_generator
+from .kept_count.prompt_rule import PromptCount
 from .kept_count.step_signals import ComputeSignals
 from .prompts.stage import PromptStage
 from .rows.batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
@@ -78,7 +79,7 @@ def host_floats(values: list) -> list[float]:
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
-class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, ComputeSignals, GRPOTrainer):
+class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, PromptCount, ComputeSignals, GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
@@ -174,17 +175,20 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         self._check_layout()
         self._packed_metric_weights = []  # the packed micro-batches' metric weights since the last train log
         self._init_compute_signals()  # the "compute" rule's noise scale and step costs (step_signals.py)
+        self._init_prompt_count()  # cost_aware_prompt_fraction (prompt_rule.py)
 
     # ------------------------------------------------------------------ generation batch: sample the rows
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)  # evaluation is untouched
-        if not self.args.cost_aware:
-            batch = super()._generate_and_score_completions(inputs)
-            self._record_generation(batch)
-            return batch
         self._buffer_start_streams = self._stream_states()
         start = self._begin_generation()
+        inputs = self._select_prompts(inputs)  # cost_aware_prompt_fraction (prompt_rule.py): all prompts at 1.0
+        if not self.args.cost_aware:
+            batch = super()._generate_and_score_completions(inputs)
+            self._end_generation(start)
+            self._record_generation(batch)
+            return batch
         with self._deferred_log_prob_passes():
             batch = super()._generate_and_score_completions(inputs)
         self._end_generation(start)
@@ -316,9 +320,10 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         local = torch.stack(
             [(prompt + generated).sum(), generated.sum(), (prompt + batch["completion_mask"].sum(-1)).sum()]
         )
-        rollout, gen, policy = local.double().cpu().tolist()
+        rollout, gen, policy = local.cpu().double().tolist()  # int64 sums: no float64 on the device
         values = {"rows": len(prompt), "rollout_tokens": rollout, "generated_tokens": gen, "policy_tokens": policy}
         total = self._sum_over_ranks(values, prompt.device)
+        self._note_generation(gen, policy, total["rows"])  # the measurements of cost_aware_prompt_fraction="auto"
         self._add_totals(total["rows"], total["rows"], total["rollout_tokens"], total["generated_tokens"])
         self._cost_aware_totals["policy_tokens"] += self.num_iterations * total["policy_tokens"]
         self._metrics["train"]["cost_aware/kept_row_fraction"].append(1.0)
@@ -459,6 +464,8 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
         return {
             "generator": self._sampler_generator.get_state(),
             "grouping_generator": self._grouping_generator.get_state(),
+            "prompt_generator": self._prompt_generator.get_state(),
+            "prompt_batches": self._prompt_batches,  # the "auto" prompt rule's probes alternate on it
         }
 
     def _cost_aware_state(self) -> dict:
@@ -497,6 +504,9 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Com
                 self._sampler_generator.set_state(state["generator"])
             if "grouping_generator" in state:
                 self._grouping_generator.set_state(state["grouping_generator"])
+            if "prompt_generator" in state:
+                self._prompt_generator.set_state(state["prompt_generator"])
+                self._prompt_batches = int(state.get("prompt_batches", 0))
         if "totals" in state:
             self._cost_aware_totals.update(state["totals"])
         if "compute" in state:
