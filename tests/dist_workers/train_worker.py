@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layout", default="auto", help="cost_aware_layout")
     p.add_argument("--optim", default="adamw_torch", help="sgd: the weights move by the gradient itself")
+    p.add_argument("--prompt-fraction", default="1.0", help="cost_aware_prompt_fraction: a number or 'auto'")
+    p.add_argument("--plain", action="store_true", help="cost_aware=False (GRPO, with the prompt count)")
     return p.parse_args(argv)
 
 
@@ -109,6 +111,7 @@ def main(argv=None) -> int:
     from trl_costaware import trainer as trainer_module
     from trl_costaware.embedded.arithmetic import arithmetic_dataset
     from trl_costaware.kept_count.budget import KeptFraction
+    from trl_costaware.kept_count.prompt_count import PromptFraction
 
     os.makedirs(args.out, exist_ok=True)
     config = CostAwareGRPOConfig(
@@ -138,6 +141,8 @@ def main(argv=None) -> int:
         cost_aware_weight_normalization=args.weight_normalization,
         cost_aware_layout=args.layout,
         optim=args.optim,
+        cost_aware=not args.plain,
+        cost_aware_prompt_fraction=PromptFraction(args.prompt_fraction),
     )
     peft_config = None
     if args.lora:
@@ -166,6 +171,7 @@ def main(argv=None) -> int:
         "kept": [],
         "budget_rows": [],
         "eligible_rows": [],
+        "prompt_inputs": [],  # inputs handed to TRL per training generation batch (cost_aware_prompt_fraction)
     }
     original_plan = trainer_module.plan_batch
     original_draw = trainer._draw_kept_rows
@@ -184,6 +190,14 @@ def main(argv=None) -> int:
         record["kept"].append(len(indices))
         return indices, factors
 
+    original_select = trainer._select_prompts
+
+    def select_and_record(inputs):
+        chosen = original_select(inputs)
+        record["prompt_inputs"].append(len(chosen))
+        return chosen
+
+    trainer._select_prompts = select_and_record
     trainer_module.plan_batch = plan_and_record  # the trainer calls plan_batch through its module global
     trainer._draw_kept_rows = draw_and_record
 
