@@ -715,3 +715,26 @@ def test_example_script_under_config(launch_example, config):
         common = ddp.keys() & state.keys()  # ZeRO-2 also writes the tied lm_head.weight
         assert common == ddp.keys()
         assert max((state[k] - ddp[k]).abs().max().item() for k in common) <= ATOL
+
+
+# ---------------------------------------------------------------------------------------------------- prompt count
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("plain", [False, True])
+def test_prompt_count_across_ranks(tiny_model, tmp_path, plain):
+    """cost_aware_prompt_fraction='auto' (time model) on two ranks, 6 generation batches of 2 groups per rank: the
+    second batch is a probe at half the prompts, so K' changes between batches (no hang); both ranks hand TRL the
+    same count at every batch (rank 0's decision, broadcast, though each rank times its own phases), log the same
+    fractions, and end with the same weights. With cost_aware=False (plain) too."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(WORKER), "--model", tiny_model, "--out", str(out)]
+    cmd += ["--prompt-fraction", "auto", "--max-steps", "6", "--weight-normalization", "none"]
+    cmd += ["--plain"] if plain else []
+    seconds = run(cmd, tmp_path / "log.txt")
+    print(f"[prompt_count-plain={plain}] {seconds:.1f} s")
+    r0, r1 = load_result(out)["records"]  # identical weights on both ranks
+    assert r0["prompt_inputs"] == r1["prompt_inputs"] and len(r0["prompt_inputs"]) == 6
+    assert r0["prompt_inputs"][:2] == [8, 4]  # every prompt, then the probe at half
+    key = "cost_aware/prompt_fraction"
+    fractions = [[h[key] for h in r["log_history"] if key in h] for r in (r0, r1)]
+    assert fractions[0] == fractions[1] == [n / 8 for n in r0["prompt_inputs"]]
