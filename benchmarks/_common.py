@@ -119,6 +119,22 @@ ARMS: dict[str, dict] = {
     },
     # the controls of both_half: the same halved prompt count without the prompt stage (rows only), and GRPO's
     "cost_aware_0.5_half": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "per_device_train_batch_size": 512}},
+    # Issue 39: what each step generates (`cost_aware_prompt_fraction`: a uniform share of each generation batch's
+    # prompts, relative to whatever batch the cell sets, so these arms keep their meaning on the variance cells), for
+    # GRPO and for today's default (rows at 0.5), and the "auto" rule on top of today's default.
+    **{f"grpo_p{f}": {"trainer": "grpo", "settings": {"cost_aware_prompt_fraction": f}} for f in (0.5, 0.25)},
+    **{
+        f"cost_aware_0.5_p{f}": {
+            "trainer": "cost_aware",
+            "settings": {**HALF, **NONE, "cost_aware_prompt_fraction": f},
+        }
+        for f in (0.5, 0.25)
+    },
+    "grpo_pauto": {"trainer": "grpo", "settings": {"cost_aware_prompt_fraction": "auto"}},
+    "cost_aware_0.5_pauto": {
+        "trainer": "cost_aware",
+        "settings": {**HALF, **NONE, "cost_aware_prompt_fraction": "auto"},
+    },
 }
 # The arms `cost_aware_compute_cal*` (the same rule with the noise scale × 0.3, BENCHMARKS.md §8.3) are retired with
 # the field `cost_aware_noise_scale_factor` (issue 38's audit); their runs stay published and `regime_analysis.py`

@@ -77,6 +77,7 @@ MIN_REVISITS = 10
 ZERO_SHARE_MIN = 0.5
 SMOKE = {"per_device_train_batch_size": 32, "num_generations": 8}  # 4 prompts x 8 rollouts, for --smoke
 SMOKE_EVAL_N = 32
+MIN_AUTO_FRACTION = 0.125  # the step cap of a `cost_aware_prompt_fraction="auto"` arm (`run_in_cell`)
 
 
 # ==================================================================================================== runs
@@ -418,7 +419,11 @@ def run_in_cell(ctx: dict, arm: str, seed: int) -> dict:
         return run_one("grpo", spec, seed, ctx["root"], steps=steps, **kw)
     weights = grpo_split_weights(load_cell_runs(ctx["root"])["grpo"], seed, steps)
     floor = min(w.split.generation for w in weights.values())
-    max_steps = int(math.ceil(steps / max(floor, 0.05)))
+    # A step that generates for a fraction φ of the prompts costs at least φ · floor of GRPO's ("auto": at least the
+    # smallest fraction it can choose, bounded here by MIN_AUTO_FRACTION); the budget stops the run, this only caps it.
+    fraction = spec.get("settings", {}).get("cost_aware_prompt_fraction", 1.0)
+    phi = MIN_AUTO_FRACTION if fraction == "auto" else float(fraction)
+    max_steps = int(math.ceil(steps / max(floor * phi, 0.02)))
     r = run_one(arm, spec, seed, ctx["root"], steps=max_steps, budget=(list(weights.values()), float(steps)), **kw)
     print(
         f"{ctx['cell']} {arm} s{seed}: {r['steps']} max steps, stopped at {r['curve'][-1]['step']}, held-out "
