@@ -28,6 +28,9 @@ model's m for a prompt fraction is 1/φ; for a row sample it is 1 + I, with I th
   v ≈ 𝐆² + σ²/B per coordinate, the expected descent per step is ∝ Σᵢ 𝐆ᵢ² / √(𝐆ᵢ² + σᵢ²/B), and with a common
   signal-to-noise ratio across coordinates that is ∝ 1 / √(1 + ρ): steps(batch) / steps(full) =
   √((1 + ρ m) / (1 + ρ)). No constant is fitted.
+- ``adam_coord``: ``adam`` without the common signal-to-noise ratio: steps(m) / steps(1) = P(1) / P(m),
+  P(m) = Σᵢ 𝐆ᵢ² / √(𝐆ᵢ² + m σᵢ²), from each coordinate's gradient mean and variance over the lr-0 steps (the
+  preconditioned geometry: Adam's v̂ ≈ 𝐆ᵢ² + σᵢ² per coordinate).
 - ``sgd_cross``: ``sgd`` with ρ scaled by a factor fitted on the other testbed's cells (least squares on their measured
   ratios; fit on `default*`, scored on `long*`, and the reverse): a calibration scored on cells it was not fitted on.
 
@@ -87,8 +90,9 @@ def measure_noise(ctx: dict, config: str, out_root: str, steps: int, seed: int =
     """Signal, noise and mean predicted inflation of one batch of `NOISE_CONFIGS` at the cell's start, lr 0
     (module docstring); cached in ``out_root/noise_<cell>_<config>.json``."""
     path = os.path.join(out_root, f"noise_{ctx['cell']}_{config}.json")
+    coords = coordinates_path(out_root, ctx["cell"]) if config == "full" else None
     key = {"steps": steps, "seed": seed, "extra": ctx["extra"], "model_path": ctx["model_path"], "pool": ctx["pool"]}
-    if os.path.exists(path):
+    if os.path.exists(path) and (coords is None or os.path.exists(coords)):
         with open(path, encoding="utf-8") as fh:
             cached = json.load(fh)
         if cached.get("key") == key:
@@ -134,6 +138,8 @@ def measure_noise(ctx: dict, config: str, out_root: str, steps: int, seed: int =
         rows = [json.loads(line) for line in fh if line.strip()]
     inflation = [r["cost_aware/budget_inflation"] for r in rows if "cost_aware/budget_inflation" in r]
     g = torch.stack(grads)
+    if coords is not None:  # per coordinate: the mean and variance of the full batch's gradient over the steps
+        np.savez(coords, mean=g.mean(0).numpy(), var=g.var(0, unbiased=True).numpy(), n=len(g))
     sq = np.array([float(g[i] @ g[i]) for i in range(1, len(g))])
     dot = np.array([float(g[i] @ g[i - 1]) for i in range(1, len(g))])
     res = {
@@ -150,6 +156,26 @@ def measure_noise(ctx: dict, config: str, out_root: str, steps: int, seed: int =
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(res, fh)
     return res
+
+
+def coordinates_path(out_root: str, cell: str) -> str:
+    return os.path.join(out_root, f"noise_{cell}_full_coordinates.npz")
+
+
+def adam_coordinate_model(mean: np.ndarray, var: np.ndarray, n: int, m: float) -> float:
+    """The ``adam`` model without its common-signal-to-noise assumption: steps(m) / steps(1) =
+    P(1) / P(m), P(m) = Σᵢ 𝐆ᵢ² / √(𝐆ᵢ² + m σᵢ²), from the full batch's per-coordinate gradient mean and variance
+    over `n` independent steps at lr 0 (𝐆ᵢ² = max(meanᵢ² − varᵢ / n, 0), its unbiased estimate clipped at 0;
+    σᵢ² = varᵢ)."""
+    g2 = np.maximum(mean.astype(np.float64) ** 2 - var / n, 0.0)
+    s2 = var.astype(np.float64)
+
+    def progress(mult):
+        den = np.sqrt(g2 + mult * s2)
+        return float(np.sum(np.divide(g2, den, out=np.zeros_like(g2), where=den > 0)))
+
+    p1, pm = progress(1.0), progress(m)
+    return p1 / pm if pm > 0 else math.inf
 
 
 def noise_summary(measured: dict[str, dict], resamples: int = 2000) -> dict:
@@ -242,6 +268,8 @@ def build_table(cells: list[str], root: str, noise_root: str) -> dict:
             continue
         summary = noise_summary(measured)
         summaries[cell] = summary
+        coords = coordinates_path(noise_root, cell)
+        coords = dict(np.load(coords)) if os.path.exists(coords) else None
         response = measured_ratios(rec["runs"])
         for config, (_, arm) in NOISE_CONFIGS.items():
             if config == "full" or config not in summary["configs"]:
@@ -264,6 +292,12 @@ def build_table(cells: list[str], root: str, noise_root: str) -> dict:
                 for name, fn in MODELS.items():
                     row[f"{name}_model_m"] = fn(summary["rho"], c["m_model"])
                     row[f"{name}_measured_m"] = fn(summary["rho"], max(c["m_measured"], 0.0))
+                for label, mult in (("model_m", c["m_model"]), ("measured_m", max(c["m_measured"], 0.0))):
+                    row[f"adam_coord_{label}"] = (
+                        None
+                        if coords is None
+                        else adam_coordinate_model(coords["mean"], coords["var"], int(coords["n"]), mult)
+                    )
                 rows.append(row)
     testbed_of = {c: CELLS[c][0] for c in cells}
     factors = {}
@@ -296,7 +330,15 @@ def _p(v, holds) -> str:
     return f"{v:.2f}{mark}"
 
 
-SCORED = ("sgd_model_m", "sgd_measured_m", "sgd_cross_model_m", "adam_model_m", "adam_measured_m")
+SCORED = (
+    "sgd_model_m",
+    "sgd_measured_m",
+    "sgd_cross_model_m",
+    "adam_model_m",
+    "adam_measured_m",
+    "adam_coord_model_m",
+    "adam_coord_measured_m",
+)
 
 
 def markdown(table: dict, command: str) -> str:
@@ -327,8 +369,8 @@ def markdown(table: dict, command: str) -> str:
         "Steps to the target / GRPO's (✓: within ±15% of the measured mean):",
         "",
         "| cell | arm | target | measured (seeds reaching) | sgd, m model | sgd, m measured | sgd cross-fitted | "
-        "adam, m model | adam, m measured |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "adam, m model | adam, m measured | adam per coordinate, m model | adam per coordinate, m measured |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table["rows"]:
         preds = " | ".join(_p(r[k], r.get(f"{k}_holds")) for k in SCORED)
