@@ -23,6 +23,7 @@ from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.kept_count.prompt_count import (
     AUTO,
     MIN_NOISE_PAIRS,
+    STEP_MODELS,
     PromptFraction,
     StepCostFit,
     allowed_counts,
@@ -32,6 +33,7 @@ from trl_costaware.kept_count.prompt_count import (
     fixed_count,
     predicted_compute_ratio,
     predicted_step_ratio,
+    step_model_for,
 )
 from trl_costaware.trainer import STATE_FILE
 
@@ -75,14 +77,18 @@ def test_draw_groups_is_uniform():
     variable=st.floats(1e-3, 10.0),
     bound=st.floats(1.0, 4.0),
     groups=st.integers(1, 16),
+    model=st.sampled_from(STEP_MODELS),
 )
-def test_choice_is_the_constrained_argmin(rho, fixed, variable, bound, groups):
-    """The chosen k minimises J over the allowed counts that meet the step bound (the full batch always allowed)."""
+def test_choice_is_the_constrained_argmin(rho, fixed, variable, bound, groups, model):
+    """The chosen k minimises J over the allowed counts that meet the step bound (the full batch always allowed),
+    under either step model."""
     allowed = list(range(1, groups + 1))
-    decision = choose_prompt_count(groups, allowed, rho, fixed, variable, bound)
+    decision = choose_prompt_count(groups, allowed, rho, fixed, variable, bound, model)
     assert not decision.fallback
-    feasible = [k for k in allowed if predicted_step_ratio(rho, k / groups) <= bound * (1 + 1e-12) or k == groups]
-    best = min(predicted_compute_ratio(rho, k / groups, fixed, variable) for k in feasible)
+    feasible = [
+        k for k in allowed if predicted_step_ratio(rho, k / groups, model) <= bound * (1 + 1e-12) or k == groups
+    ]
+    best = min(predicted_compute_ratio(rho, k / groups, fixed, variable, model) for k in feasible)
     assert decision.count in feasible
     assert decision.compute_ratio == pytest.approx(best, rel=1e-9)
     assert decision.step_ratio <= max(bound, 1.0) * (1 + 1e-9)
@@ -91,26 +97,48 @@ def test_choice_is_the_constrained_argmin(rho, fixed, variable, bound, groups):
 
 @settings(max_examples=100, deadline=None)
 @given(rho=st.floats(1e-3, 1e3), phi=st.floats(0.05, 1.0))
-def test_step_ratio_is_the_critical_batch_model(rho, phi):
-    """S(φ)/S(1) = (1 + ρ/φ)/(1 + ρ): between 1 and 1/φ, 1/φ as ρ → ∞ (noise-limited), 1 as ρ → 0."""
-    r = predicted_step_ratio(rho, phi)
+def test_step_ratio_models(rho, phi):
+    """ "sgd": S(φ)/S(1) = (1 + ρ/φ)/(1 + ρ), between 1 and 1/φ, 1/φ as ρ → ∞ (noise-limited), 1 as ρ → 0; "adam"
+    (the default): its square root, between 1 and 1/√φ."""
+    r = predicted_step_ratio(rho, phi, "sgd")
+    assert r == pytest.approx((1 + rho / phi) / (1 + rho))
     assert 1.0 - 1e-12 <= r <= 1.0 / phi + 1e-9
-    assert predicted_step_ratio(math.inf, phi) == pytest.approx(1 / phi)
-    # no per-step cost and a token cost only: J(φ) = (φ + ρ)/(1 + ρ) falls with φ
-    assert predicted_compute_ratio(rho, phi, 0.0, 1.0) == pytest.approx((phi + rho) / (1 + rho))
+    assert predicted_step_ratio(math.inf, phi, "sgd") == pytest.approx(1 / phi)
+    assert predicted_step_ratio(rho, phi) == predicted_step_ratio(rho, phi, "adam") == pytest.approx(math.sqrt(r))
+    assert predicted_step_ratio(math.inf, phi) == pytest.approx(1 / math.sqrt(phi))
+    # no per-step cost and a token cost only: J(φ) = (φ + ρ)/(1 + ρ) under "sgd", φ √((1 + ρ/φ)/(1 + ρ)) under "adam"
+    assert predicted_compute_ratio(rho, phi, 0.0, 1.0, "sgd") == pytest.approx((phi + rho) / (1 + rho))
+    assert predicted_compute_ratio(rho, phi, 0.0, 1.0) == pytest.approx(phi * math.sqrt(r))
+    with pytest.raises(ValueError, match="model"):
+        predicted_step_ratio(rho, phi, "momentum")
+
+
+def test_step_model_follows_the_optimizer():
+    from transformers.training_args import OptimizerNames
+
+    assert step_model_for("sgd") == step_model_for(OptimizerNames.SGD) == "sgd"
+    for name in ("adamw_torch", "adamw_torch_fused", OptimizerNames.ADAFACTOR, "adagrad", "rmsprop", "lion_32bit"):
+        assert step_model_for(name) == "adam"
 
 
 def test_choice_limits():
     """Small ρ with no per-step cost cuts to the bound; a large per-step cost keeps every prompt, and so does large ρ
-    with a per-step cost; the unconstrained optimum is √(ρA/B)."""
+    with a per-step cost; the unconstrained optimum is √(ρA/B) under "sgd", (ρ/4)(√(1 + 8A/(ρB)) − 1) under "adam"."""
     allowed = list(range(1, 65))
-    d = choose_prompt_count(64, allowed, 0.05, 0.0, 1.0, 1.5)  # bound φ_min = ρ/(r(1+ρ)−1) = 0.0870
+    d = choose_prompt_count(64, allowed, 0.05, 0.0, 1.0, 1.5, "sgd")  # bound φ_min = ρ/(r(1+ρ)−1) = 0.0870
     assert d.count == math.ceil(64 * 0.05 / (1.5 * 1.05 - 1))
-    assert choose_prompt_count(64, allowed, 0.05, 100.0, 1.0, 1.5).count == 64
-    assert choose_prompt_count(64, allowed, 100.0, 1.0, 1.0, 1.5).count == 64  # φ* = √(ρA/B) = 10 > 1
-    d = choose_prompt_count(64, allowed, 0.25, 1.0, 1.0, 100.0)  # φ* = √(0.25) = 0.5
+    d = choose_prompt_count(64, allowed, 0.05, 0.0, 1.0, 1.5)  # "adam": φ_min = ρ/(r²(1+ρ)−1) = 0.0367
+    assert d.count == math.ceil(64 * 0.05 / (1.5**2 * 1.05 - 1)) == 3
+    for model in STEP_MODELS:
+        assert choose_prompt_count(64, allowed, 0.05, 100.0, 1.0, 1.5, model).count == 64
+        assert choose_prompt_count(64, allowed, 1e4, 1.0, 1.0, 1.5, model).count == 64  # φ* ≥ 1 under both
+        assert choose_prompt_count(64, allowed, 0.05, 0.0, 1.0, 1.0, model).count == 64  # r_max = 1: predict only
+    assert choose_prompt_count(64, allowed, 100.0, 1.0, 1.0, 1.5, "sgd").count == 64  # φ* = √(ρA/B) = 10
+    assert choose_prompt_count(64, allowed, 100.0, 1.0, 1.0, 1.5).count == 63  # φ* = 25 (√1.08 − 1) = 0.98
+    d = choose_prompt_count(64, allowed, 0.25, 1.0, 1.0, 100.0, "sgd")  # φ* = √(0.25) = 0.5
     assert d.count == 32
-    assert choose_prompt_count(64, allowed, 0.05, 0.0, 1.0, 1.0).count == 64  # r_max = 1: predict only
+    d = choose_prompt_count(64, allowed, 0.25, 1.0, 1.0, 100.0)  # φ* = 0.0625 (√33 − 1) = 0.297
+    assert abs(d.count - 64 * 0.0625 * (math.sqrt(33) - 1)) <= 1
 
 
 @pytest.mark.parametrize("rho", [None, math.nan, 0.0, -1.0, math.inf])

@@ -10,10 +10,24 @@ a uniform draw of k, so the step is exactly GRPO's step at φ K prompts: the sam
 that batch size (every loss type, both stages of this package on top). Nothing is reweighted and nothing is biased;
 what changes is the step's noise.
 
-**Steps to a target** (McCandlish, Kaplan, Amodei et al. 2018, arXiv 1812.06162): S(B) ∝ 1 + B_noise / B. With
-ρ = B_noise / B at the full batch (the noise-to-signal ratio of the full batch's gradient),
+**Steps to a target.** With ρ = B_noise / B at the full batch (the noise-to-signal ratio of the full batch's
+gradient: tr Var(g) / |𝐆|²), generating for φ of the prompts multiplies the gradient's noise by 1/φ. How the steps to
+a target respond depends on the optimizer (`step_model_for`):
 
-    S(φ) / S(1) = (1 + ρ / φ) / (1 + ρ)                                        (`predicted_step_ratio`).
+- SGD at a tuned learning rate (McCandlish, Kaplan, Amodei et al. 2018, arXiv 1812.06162): S(B) ∝ 1 + B_noise / B,
+
+      S(φ) / S(1) = (1 + ρ / φ) / (1 + ρ)                                       (``"sgd"``);
+
+- Adam, and every optimizer that divides each coordinate by a running root mean square of its gradient (Adagrad,
+  RMSprop, Adafactor, Lion's sign), at a fixed learning rate: the step's size is fixed whatever the noise, so noise
+  costs no curvature penalty and only tilts the direction. With v ≈ 𝐆ᵢ² + σᵢ²/B per coordinate the expected descent
+  per step is ∝ Σᵢ 𝐆ᵢ² / √(𝐆ᵢ² + σᵢ²/B), which, at a common signal-to-noise ratio across coordinates, is
+  ∝ 1 / √(1 + ρ), so
+
+      S(φ) / S(1) = √((1 + ρ / φ) / (1 + ρ))                                    (``"adam"``).
+
+  Measured on the regime matrix (BENCHMARKS.md §10, `benchmarks/response_model.py`): with ρ from lr-0 steps at each
+  cell's start, this holds within ±15% where the SGD form over-predicts (its "factor 0.22–0.63 on ρ", §8.1).
 
 **Cost of a step.** C(φ) = A + φ B: A does not shrink with the batch (the generation engine's latency floor, the
 optimizer step), B is what scales with it, at φ = 1 (generated tokens times their price, kept policy tokens times
@@ -22,17 +36,19 @@ batches, so A and B come from measured time, not from token counts alone.
 
 **The objective.** The predicted compute to the target relative to the full batch,
 
-    J(φ) = S(φ) C(φ) / (S(1) C(1)) = (1 + ρ/φ)(A + φ B) / ((1 + ρ)(A + B)),
+    J(φ) = S(φ) C(φ) / (S(1) C(1)) = [S(φ) / S(1)] (A + φ B) / (A + B),
 
 is minimised over the allowed φ = k / K_r, subject to S(φ) / S(1) ≤ r_max (`cost_aware_max_step_ratio`): a run may
 take at most r_max times the full batch's steps, i.e. the trade between fewer GPU-hours and more steps (wall-clock,
-and the learning-rate schedule's length) is the user's bound. Its unconstrained minimum is φ* = √(ρ A / B): with no
-per-step cost (A = 0) J falls all the way to the smallest batch, so the bound is what stops the cut, at
+and the learning-rate schedule's length) is the user's bound. Its unconstrained minimum is φ* = √(ρ A / B) under
+``"sgd"`` and φ* = (ρ/4)(√(1 + 8A/(ρB)) − 1) under ``"adam"`` (the root of 2Bφ² + ρBφ − ρA = 0): with no per-step
+cost (A = 0) J falls all the way to the smallest batch under either, so the bound is what stops the cut, at the φ
+where S(φ)/S(1) = r_max:
 
-    φ_min = ρ / (r_max (1 + ρ) − 1)        (the φ at which S(φ)/S(1) = r_max).
+    φ_min = ρ / (r (1 + ρ) − 1),    r = r_max ("sgd") or r_max² ("adam").
 
 Limits: large ρ keeps every prompt (the step ratio bound is then met only near φ = 1); ρ → 0 cuts to the smallest
-allowed k if A is small, or to √(ρ A / B) → 0 clamped at the bound. A degenerate ρ (not measured yet, NaN, ≤ 0 — an
+allowed k if A is small, or to φ* → 0 clamped at the bound. A degenerate ρ (not measured yet, NaN, ≤ 0 — an
 estimate of no noise at all, which would cut to one group — or ∞, where the signal estimate is not positive) keeps
 every prompt and says so (`PromptCountDecision.fallback`).
 """
@@ -46,6 +62,7 @@ from dataclasses import dataclass
 import torch
 
 AUTO = "auto"
+STEP_MODELS = ("adam", "sgd")  # how the steps to a target respond to the batch (module docstring)
 # Pairs of optimizer steps the noise scale needs before the "auto" rule acts; before that every prompt is generated.
 MIN_NOISE_PAIRS = 4
 
@@ -95,21 +112,31 @@ def draw_groups(groups: int, k: int, generator: torch.Generator) -> list[int]:
     return sorted(torch.randperm(groups, generator=generator)[:k].tolist())
 
 
-def predicted_step_ratio(rho: float, fraction: float) -> float:
-    """S(φ) / S(1) = (1 + ρ/φ) / (1 + ρ) (module docstring); ∞·0 cases: ρ = ∞ gives 1/φ."""
+def step_model_for(optim: str) -> str:
+    """The step model of an optimizer (TrainingArguments.optim's name): ``"sgd"`` for plain SGD, ``"adam"`` for every
+    optimizer that normalises each coordinate (Adam/AdamW in all their builds, Adafactor, Adagrad, RMSprop, Lion, ...;
+    module docstring)."""
+    name = str(getattr(optim, "value", optim)).lower()
+    return "sgd" if name == "sgd" else "adam"
+
+
+def predicted_step_ratio(rho: float, fraction: float, model: str = "adam") -> float:
+    """S(φ) / S(1): (1 + ρ/φ) / (1 + ρ) under ``"sgd"``, its square root under ``"adam"`` (module docstring); ρ = ∞
+    gives 1/φ (and 1/√φ)."""
     if not fraction > 0:
         raise ValueError(f"fraction must be > 0, got {fraction}")
-    if math.isinf(rho):
-        return 1.0 / fraction
-    return (1.0 + rho / fraction) / (1.0 + rho)
+    if model not in STEP_MODELS:
+        raise ValueError(f"model must be one of {STEP_MODELS}, got {model!r}")
+    linear = 1.0 / fraction if math.isinf(rho) else (1.0 + rho / fraction) / (1.0 + rho)
+    return linear if model == "sgd" else math.sqrt(linear)
 
 
-def predicted_compute_ratio(rho: float, fraction: float, fixed: float, variable: float) -> float:
+def predicted_compute_ratio(rho: float, fraction: float, fixed: float, variable: float, model: str = "adam") -> float:
     """J(φ) = S(φ) C(φ) / (S(1) C(1)) with C(φ) = fixed + φ variable (module docstring)."""
     full = fixed + variable
     if not full > 0:
         raise ValueError(f"a step must cost something: fixed + variable = {full}")
-    return predicted_step_ratio(rho, fraction) * (fixed + fraction * variable) / full
+    return predicted_step_ratio(rho, fraction, model) * (fixed + fraction * variable) / full
 
 
 @dataclass(frozen=True)
@@ -122,7 +149,9 @@ class PromptCountDecision:
     compute_ratio: float  # predicted J(φ)
     fallback: bool  # True: ρ or the costs were not usable, every prompt generated (today's behaviour)
 
-    def metrics(self, rho: float | None, fixed: float | None, variable: float | None) -> dict[str, float]:
+    def metrics(
+        self, rho: float | None, fixed: float | None, variable: float | None, model: str = "adam"
+    ) -> dict[str, float]:
         """The decision's log entries: the fraction and the fallback flag always; the predictions where the rule
         predicted (finite numbers only)."""
         out = {"prompt_fraction": self.fraction, "prompt_rule_fallback": float(self.fallback)}
@@ -133,8 +162,8 @@ class PromptCountDecision:
             out["prompt_noise_to_signal"] = float(rho)
             out["step_cost_fixed_share"] = float(fixed / (fixed + variable))
             for name, phi in (("half", 0.5), ("quarter", 0.25)):
-                out[f"predicted_compute_{name}"] = predicted_compute_ratio(rho, phi, fixed, variable)
-                out[f"predicted_steps_{name}"] = predicted_step_ratio(rho, phi)
+                out[f"predicted_compute_{name}"] = predicted_compute_ratio(rho, phi, fixed, variable, model)
+                out[f"predicted_steps_{name}"] = predicted_step_ratio(rho, phi, model)
         return out
 
 
@@ -145,8 +174,10 @@ def choose_prompt_count(
     fixed: float | None,
     variable: float | None,
     max_step_ratio: float,
+    model: str = "adam",
 ) -> PromptCountDecision:
-    """The allowed k minimising J(k / groups) subject to S(k/groups)/S(1) ≤ `max_step_ratio` (module docstring);
+    """The allowed k minimising J(k / groups) subject to S(k/groups)/S(1) ≤ `max_step_ratio` under the step model
+    `model` (``"adam"`` or ``"sgd"``, module docstring);
     every group (k = groups, `fallback`) when ρ is missing or not a finite number > 0, or `fixed` or `variable` is
     missing or not a finite number ≥ 0, or fixed + variable is 0. Ties go to the larger k."""
     usable = (
@@ -166,10 +197,10 @@ def choose_prompt_count(
     best = None
     for k in sorted(set(allowed) | {groups}, reverse=True):
         phi = k / groups
-        steps = predicted_step_ratio(rho, phi)
+        steps = predicted_step_ratio(rho, phi, model)
         if steps > max_step_ratio * (1 + 1e-12) and k != groups:
             continue
-        cost = predicted_compute_ratio(rho, phi, fixed, variable)
+        cost = predicted_compute_ratio(rho, phi, fixed, variable, model)
         if best is None or cost < best.compute_ratio - 1e-12:
             best = PromptCountDecision(k, phi, steps, cost, False)
     return best

@@ -3,7 +3,8 @@ keeps k of the rank's K_r groups and hands TRL only those. Wiring only; the math
 measurements in `step_signals.py`, the derivation in docs/prompt_count.md.
 
 - A fixed fraction φ: k = the allowed count nearest φ K_r (`prompt_count.fixed_count`), the same on every rank.
-- `"auto"`: k from `prompt_count.choose_prompt_count`, on rank 0's measured costs and the full batch's noise-to-signal
+- `"auto"`: k from `prompt_count.choose_prompt_count` under the optimizer's step model (`prompt_count.step_model_for`:
+  ``"sgd"`` for `optim="sgd"`, else ``"adam"``), on rank 0's measured costs and the full batch's noise-to-signal
   ρ (identical on every rank: the gradient it is read from is all-reduced), broadcast to every rank (one collective of
   one integer per generation batch), so K′ = k × world size is global and every rank's TRL call gathers equal sizes.
   Until the noise scale has `MIN_NOISE_PAIRS` pairs, every prompt is generated (the fallback); under the time cost
@@ -33,6 +34,7 @@ from .prompt_count import (
     choose_prompt_count,
     draw_groups,
     fixed_count,
+    step_model_for,
 )
 
 PROMPT_STREAM = "prompts"
@@ -53,6 +55,7 @@ class PromptCount:
             self._prompt_allowed = allowed_counts(self._prompt_groups, g, args.steps_per_generation)
         self._prompt_generator = stream_generator(args.seed, self.accelerator.process_index, PROMPT_STREAM)
         self._prompt_batches = 0  # training generation batches seen (for the probes)
+        self._prompt_step_model = step_model_for(args.optim)  # how the steps respond to the batch (prompt_count)
 
     def _select_prompts(self, inputs: list) -> list:
         """The inputs of the groups this training generation batch generates for (all of them when the field is 1)."""
@@ -75,7 +78,7 @@ class PromptCount:
         self._open_window_fraction(decision.fraction)
         metrics = self._metrics["train"]
         if self._prompt_auto:
-            for key, value in decision.metrics(*self._prompt_inputs()).items():
+            for key, value in decision.metrics(*self._prompt_inputs(), self._prompt_step_model).items():
                 metrics[f"cost_aware/{key}"].append(value)
             metrics["cost_aware/prompt_probe"].append(float(probe))
         else:
@@ -107,7 +110,7 @@ class PromptCount:
             return PromptCountDecision(k, k / groups, float("nan"), float("nan"), False), False
         rho, fixed, variable = self._prompt_inputs()
         decision = choose_prompt_count(
-            groups, self._prompt_allowed, rho, fixed, variable, args.cost_aware_max_step_ratio
+            groups, self._prompt_allowed, rho, fixed, variable, args.cost_aware_max_step_ratio, self._prompt_step_model
         )
         probe = False
         if (
