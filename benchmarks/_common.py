@@ -131,6 +131,12 @@ ARMS: dict[str, dict] = {
         for f in (0.5, 0.25)
     },
     "grpo_pauto": {"trainer": "grpo", "settings": {"cost_aware_prompt_fraction": "auto"}},
+    # The same rule priced by the token model with a per-step generation cost: its two prices are set per cell by
+    # `prompt_count_matrix.step_priced_settings` (half of the cell's GRPO generation cost per step at generation 55%).
+    "cost_aware_0.5_pauto_step55": {
+        "trainer": "cost_aware",
+        "settings": {**HALF, **NONE, "cost_aware_prompt_fraction": "auto", "cost_aware_cost_model": "tokens"},
+    },
     # GRPO with the rule measuring and predicting but never cutting (max step ratio 1): the run's own estimate of ρ
     # and of what half and a quarter of its prompts would cost, at GRPO's batch (`response_model.py`).
     "grpo_pmeasure": {
