@@ -31,6 +31,9 @@ model's m for a prompt fraction is 1/φ; for a row sample it is 1 + I, with I th
 - ``adam_coord``: ``adam`` without the common signal-to-noise ratio: steps(m) / steps(1) = P(1) / P(m),
   P(m) = Σᵢ 𝐆ᵢ² / √(𝐆ᵢ² + m σᵢ²), from each coordinate's gradient mean and variance over the lr-0 steps (the
   preconditioned geometry: Adam's v̂ ≈ 𝐆ᵢ² + σᵢ² per coordinate).
+- ``adam_run``: ``adam`` with ρ as the run estimates it while training (GRPO with the rule measuring but never
+  cutting, arm ``grpo_pmeasure``: the mean of its first 10 logged ``cost_aware/prompt_noise_to_signal``), the ρ the
+  ``"auto"`` rule acts on.
 - ``sgd_cross``: ``sgd`` with ρ scaled by a factor fitted on the other testbed's cells (least squares on their measured
   ratios; fit on `default*`, scored on `long*`, and the reverse): a calibration scored on cells it was not fitted on.
 
@@ -235,6 +238,35 @@ def measured_ratios(cell_root: str) -> dict:
     return out
 
 
+RUN_RHO_ARM = "grpo_pmeasure"
+RUN_RHO_BATCHES = 10  # the run's own first estimates: its first this many generation batches with a prediction
+
+
+def run_rho(cell_root: str) -> dict | None:
+    """ρ as the run itself estimates it, during GRPO training (lr > 0, the rule on but never cutting: arm
+    `RUN_RHO_ARM`): per seed, the mean of ``cost_aware/prompt_noise_to_signal`` over the first `RUN_RHO_BATCHES`
+    generation batches that logged it; mean and bootstrap interval over seeds. None without such runs."""
+    from regime_runs import read_metrics
+
+    per_seed = []
+    for name in sorted(os.listdir(cell_root)) if os.path.isdir(cell_root) else []:
+        if not name.startswith(f"{RUN_RHO_ARM}__s"):
+            continue
+        vals = [
+            r["cost_aware/prompt_noise_to_signal"]
+            for r in read_metrics(os.path.join(cell_root, name))
+            if isinstance(r.get("cost_aware/prompt_noise_to_signal"), (int, float))
+        ][:RUN_RHO_BATCHES]
+        vals = [v for v in vals if math.isfinite(v)]
+        if vals:
+            per_seed.append(float(np.mean(vals)))
+    if not per_seed:
+        return None
+    from token_efficiency import bootstrap_ci
+
+    return {"rho": bootstrap_ci(per_seed), "seeds": len(per_seed)}
+
+
 def cross_factor(rows: list[dict], fit_cells: set[str]) -> float | None:
     """The factor k minimising Σ (sgd(k ρ, m) − measured)² over the rows of `fit_cells` (a grid search)."""
     pts = [
@@ -271,6 +303,8 @@ def build_table(cells: list[str], root: str, noise_root: str) -> dict:
         coords = coordinates_path(noise_root, cell)
         coords = dict(np.load(coords)) if os.path.exists(coords) else None
         response = measured_ratios(rec["runs"])
+        in_run = run_rho(rec["runs"])
+        summary["rho_run"] = in_run
         for config, (_, arm) in NOISE_CONFIGS.items():
             if config == "full" or config not in summary["configs"]:
                 continue
@@ -292,6 +326,8 @@ def build_table(cells: list[str], root: str, noise_root: str) -> dict:
                 for name, fn in MODELS.items():
                     row[f"{name}_model_m"] = fn(summary["rho"], c["m_model"])
                     row[f"{name}_measured_m"] = fn(summary["rho"], max(c["m_measured"], 0.0))
+                rho_run = None if in_run is None else in_run["rho"][0]
+                row["adam_run_model_m"] = None if rho_run is None else adam_model(rho_run, c["m_model"])
                 for label, mult in (("model_m", c["m_model"]), ("measured_m", max(c["m_measured"], 0.0))):
                     row[f"adam_coord_{label}"] = (
                         None
@@ -338,14 +374,19 @@ SCORED = (
     "adam_measured_m",
     "adam_coord_model_m",
     "adam_coord_measured_m",
+    "adam_run_model_m",
 )
 
 
 def markdown(table: dict, command: str) -> str:
     lines = [f"`{command}`", ""]
     lines += ["Noise at each cell's start (lr 0):", ""]
-    lines += ["| cell | ρ | " + " | ".join(f"m {c} (model / measured)" for c in NOISE_CONFIGS if c != "full") + " |"]
-    lines += ["|---|---|" + "---|" * (len(NOISE_CONFIGS) - 1)]
+    lines += [
+        "| cell | ρ (lr 0) | ρ, the run's own (GRPO, first batches) | "
+        + " | ".join(f"m {c} (model / measured)" for c in NOISE_CONFIGS if c != "full")
+        + " |"
+    ]
+    lines += ["|---|---|---|" + "---|" * (len(NOISE_CONFIGS) - 1)]
     for cell, s in table["noise"].items():
         cells = []
         for c in NOISE_CONFIGS:
@@ -359,7 +400,11 @@ def markdown(table: dict, command: str) -> str:
                 f"{v['m_measured_ci'][1]:.2f}]"
             )
         rho = "∞" if math.isinf(s["rho"]) else f"{s['rho']:.2f}"
-        lines.append(f"| {cell} | {rho} [{s['rho_ci'][0]:.2f}, {s['rho_ci'][1]:.2f}] | " + " | ".join(cells) + " |")
+        run = s.get("rho_run")
+        run = "not run" if run is None else f"{_ci(run['rho'])} ({run['seeds']} seeds)"
+        lines.append(
+            f"| {cell} | {rho} [{s['rho_ci'][0]:.2f}, {s['rho_ci'][1]:.2f}] | {run} | " + " | ".join(cells) + " |"
+        )
     f = table["cross_factors"]
     lines += [
         "",
@@ -369,8 +414,9 @@ def markdown(table: dict, command: str) -> str:
         "Steps to the target / GRPO's (✓: within ±15% of the measured mean):",
         "",
         "| cell | arm | target | measured (seeds reaching) | sgd, m model | sgd, m measured | sgd cross-fitted | "
-        "adam, m model | adam, m measured | adam per coordinate, m model | adam per coordinate, m measured |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "adam, m model | adam, m measured | adam per coordinate, m model | adam per coordinate, m measured | "
+        "adam, the run's own ρ, m model |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in table["rows"]:
         preds = " | ".join(_p(r[k], r.get(f"{k}_holds")) for k in SCORED)
