@@ -95,7 +95,8 @@ BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime bench-noise \
-	bench-batch-shapes bench-profile profile bench-prompt bench-prompt-issue38 bench-prompt-predictability
+	bench-batch-shapes bench-profile profile bench-prompt bench-prompt-issue38 bench-prompt-predictability \
+	bench-response bench-prompt-count
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -151,6 +152,15 @@ bench-prompt-predictability: $(STAMP)
 # The "compute" rule's premises (BENCHMARKS.md §8): the gradient noise scale at each regime-matrix cell's start (lr 0)
 # against the steps' measured response to halving the batch (needs the matrix's runs), and the noise a row sample
 # really adds against the inflation I(m) the rules predict.
+# How do the steps respond to fewer prompts or rows per step, and which model predicts it? (§10.1, issue 39)
+bench-response: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/response_model.py --noise --runs
+	$(BENCH_ENV) $(BIN)/python benchmarks/response_model.py --runs --arms grpo,grpo_pmeasure
+
+# The prompt count's arms and the "auto" rule against GRPO and today's default (§10.2, issue 39; after bench-response)
+bench-prompt-count: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_count_matrix.py --runs
+
 bench-noise: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py
 	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py --inflation default,long --steps 40

@@ -70,3 +70,29 @@ def test_cross_factor_fits_on_other_cells_only():
     ]
     assert resp.cross_factor(rows, {"a"}) == pytest.approx(0.5, rel=0.01)
     assert resp.cross_factor(rows, {"c"}) is None
+
+
+@pytest.mark.parametrize("script", ["response_model", "prompt_count_matrix"])
+def test_scripts_help_and_bad_input(script, capsys):
+    import importlib
+
+    mod = importlib.import_module(script)
+    with pytest.raises(SystemExit) as exit_info:
+        mod.main(["--help"])
+    assert exit_info.value.code == 0 and "issue 39" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--cells: unknown"):
+        mod.main(["--cells", "nowhere"])
+    with pytest.raises(SystemExit, match="--arms: unknown"):
+        mod.main(["--arms", "no_such_arm"])
+
+
+def test_step_priced_settings_split_the_55_percent_price():
+    import _common as common
+    import prompt_count_matrix as pcm
+
+    price = common.generation_token_cost("default", 0.55)
+    s = pcm.step_priced_settings("default", 7224.0)
+    assert s["cost_aware_cost_model"] == "tokens"
+    # per step: half of GRPO's generation cost; per token: the other half of the price
+    assert s["cost_aware_generation_step_cost"] == pytest.approx(0.5 * price * 7224.0, rel=1e-6)
+    assert s["cost_aware_generation_token_cost"] == pytest.approx(0.5 * price, rel=1e-5)
