@@ -64,6 +64,7 @@ FIXED = ("cost_aware_0.5", "cost_aware_0.5_p0.5", "cost_aware_0.5_p0.25")  # the
 SPLITS = ("cpu", "gpu", "gpu_gen77", "step55")
 EPOCHS_GOAL = {"gpu": 0.6, "gpu_gen77": 0.7}
 TOLERANCE = 0.01
+WARMUP_BATCHES = 5  # the "auto" rule's start-up: MIN_NOISE_PAIRS + 1 generation batches before its first decision
 STEP_SHARE = 0.5  # the share of GRPO's generation cost that is per step under the step55 pricing
 GEN_SHARE = 0.55
 
@@ -114,9 +115,16 @@ def analyse_cell(cell_root: str) -> dict:
             w = grpo_split_weights(grpo, s, steps)
             c, g = _with_splits(run, w, grpo[s]), _with_splits(grpo[s], w, grpo[s])
             row = {"seed": s, "steps_run": c[-1]["step"], "grpo_end": _end(grpo[s])}
-            fr = [r.get("cost_aware/prompt_fraction") for r in _metrics(cell_root, arm, s)]
-            fr = [x for x in fr if x is not None]
+            logged = [r for r in _metrics(cell_root, arm, s) if r.get("cost_aware/prompt_fraction") is not None]
+            fr = [r["cost_aware/prompt_fraction"] for r in logged]
             row["prompt_fraction"] = float(np.mean(fr)) if fr else 1.0
+            if "auto" in arm and len(logged) > WARMUP_BATCHES:
+                # what the rule's start-up costs: the compute of its first batches (every prompt until the noise
+                # scale has its pairs), at generation 55%, against GRPO's compute to the 80% target
+                first = logged[WARMUP_BATCHES - 1]
+                start = w["gpu"].compute(first["cost_aware/generated_tokens"], first["cost_aware/policy_tokens"])
+                g_hit = _reach(g, targets[0.8], keys)
+                row["warmup_share_of_grpo_to_0.8"] = start / g_hit["compute_gpu"] if g_hit else None
             for k in SPLITS:
                 row[f"end_{k}"] = _end_within(c, f"compute_{k}", g[-1][f"compute_{k}"])
             for f, t in targets.items():
@@ -127,6 +135,7 @@ def analyse_cell(cell_root: str) -> dict:
                         row[f"ratio_{k}_{f}"] = hit[k] / g_hit[k]
             rows.append(row)
         a = {"n": len(rows), "per_seed": rows, "prompt_fraction": bootstrap_ci([r["prompt_fraction"] for r in rows])}
+        a["warmup_share_of_grpo_to_0.8"] = bootstrap_ci([r.get("warmup_share_of_grpo_to_0.8") for r in rows])
         for f in FRACTIONS:
             a[f"reached_{f}"] = sum(r[f"reached_{f}"] for r in rows)
             for k in keys:
@@ -212,6 +221,13 @@ def markdown(cells: dict, command: str) -> str:
                 + " | ".join(vals)
                 + f" | {_ci(a['end_gpu_minus_grpo'], 3, True)} |"
             )
+        for arm, a in cell["arms"].items():
+            share = a.get("warmup_share_of_grpo_to_0.8")
+            if share and share[0] is not None:
+                lines.append(
+                    f"\n{arm}: its first {WARMUP_BATCHES} generation batches (every prompt, before the noise scale "
+                    f"has its pairs) cost {_ci(share)} of GRPO's compute to the 80% target (generation 55%)."
+                )
         g = cell.get("goals", {})
         if "status" in g:
             lines += ["", f"Goals: {g['status']}", ""]
