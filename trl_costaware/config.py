@@ -222,6 +222,12 @@ class CostAwareGRPOConfig(GRPOConfig):
             With `cost_aware_prompt_fraction="auto"` and `cost_aware_cost_model="tokens"`: a generation batch's cost
             that does not shrink with its prompts (an inference engine's latency floor), in policy-update tokens per
             rank (≥ 0).
+        cost_aware_noise_probe_every (`int`, defaults to `8`):
+            Where a rule reads the gradient noise (`cost_aware_prompt_fraction="auto"`, `cost_aware_kept_fraction=
+            "compute"`): probe the noise of the first 3 training generation batches, then of every this many, at one
+            point of the parameters and split into its between-prompt and within-group parts (one extra forward and
+            backward over the batch's informative rows per probe; `trl_costaware/kept_count/noise_probe.py`). 0: off
+            (the rules read the noise of consecutive optimizer steps).
     """
 
     cost_aware: bool = field(
@@ -388,6 +394,16 @@ class CostAwareGRPOConfig(GRPOConfig):
         },
     )
 
+    cost_aware_noise_probe_every: int = field(
+        default=8,
+        metadata={
+            "help": "With cost_aware_prompt_fraction='auto' or cost_aware_kept_fraction='compute': probe the gradient "
+            "noise (between prompts and within groups, at one point of the parameters) on the first 3 training "
+            "generation batches and then every this many (one extra forward and backward over the informative rows "
+            "per probe). 0: off (the noise of consecutive optimizer steps)."
+        },
+    )
+
     def __post_init__(self):
         if self.cost_aware and self.cost_aware_layout == "full":
             self._apply_full_micro_batch_layout()  # before TRL derives the generation batch from these fields
@@ -463,6 +479,11 @@ class CostAwareGRPOConfig(GRPOConfig):
 
         self._check_prompt_sampling()
         self.cost_aware_prompt_fraction = check_prompt_fields(self)
+        every = self.cost_aware_noise_probe_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(
+                f"cost_aware_noise_probe_every must be an integer >= 0 (0: the noise probe is off), got {every!r}"
+            )
 
     def _check_prompt_sampling(self):
         smoothing, forgetting = self.cost_aware_prompt_smoothing, self.cost_aware_prompt_forgetting

@@ -31,6 +31,7 @@ from trl import GRPOTrainer
 
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .core.sampling import sequence_costs, stream_generator
+from .kept_count.noise_probe import NoiseProbe
 from .kept_count.prompt_rule import PromptCount
 from .kept_count.step_signals import ComputeSignals
 from .prompts.stage import PromptStage
@@ -38,7 +39,15 @@ from .rows.batching import regroup_by_length, row_lengths, select_rows, trim_to_
 from .rows.deferred import DEFERRED_KEYS, DeferredLogProbPasses
 from .rows.layout import kept_multiple, micro_token_factor
 from .rows.packed import NOOP_KEY, PackedLayout
-from .rows.plan import AcceleratorCollective, PlanSettings, RowStats, SingleProcess, check_loss_type, plan_batch
+from .rows.plan import (
+    LOSS_NORMALISERS,
+    AcceleratorCollective,
+    PlanSettings,
+    RowStats,
+    SingleProcess,
+    check_loss_type,
+    plan_batch,
+)
 from .rows.proxy import DEFAULT_GAMMA, row_factor
 from .tracking.callbacks import attach_tracking, validate_report_to
 from .tracking.launch import duplicated_launch
@@ -79,7 +88,9 @@ def host_floats(values: list) -> list[float]:
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
-class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, PromptCount, ComputeSignals, GRPOTrainer):
+class CostAwareGRPOTrainer(
+    PromptStage, DeferredLogProbPasses, PackedLayout, PromptCount, NoiseProbe, ComputeSignals, GRPOTrainer
+):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
@@ -176,6 +187,8 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Pro
         self._packed_metric_weights = []  # the packed micro-batches' metric weights since the last train log
         self._init_compute_signals()  # the "compute" rule's noise scale and step costs (step_signals.py)
         self._init_prompt_count()  # cost_aware_prompt_fraction (prompt_rule.py)
+        normaliser = LOSS_NORMALISERS.get(self.loss_type)
+        self._init_noise_probe(row_length=normaliser is not None and normaliser.row_length)  # noise_probe.py
 
     # ------------------------------------------------------------------ generation batch: sample the rows
     def _generate_and_score_completions(self, inputs):
@@ -187,11 +200,13 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Pro
         if not self.args.cost_aware:
             batch = super()._generate_and_score_completions(inputs)
             self._end_generation(start)
+            self._note_probe(self._maybe_probe(batch, self._batch_fraction))
             self._record_generation(batch)
             return batch
         with self._deferred_log_prob_passes():
             batch = super()._generate_and_score_completions(inputs)
         self._end_generation(start)
+        self._note_probe(self._maybe_probe(batch, self._batch_fraction))  # the noise probe (noise_probe.py)
         for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
             batch.pop(key, None)
         self._batch_plan, self._batch_rows = None, None
@@ -487,6 +502,7 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Pro
         state.update(
             totals=dict(self._cost_aware_totals),
             compute=self._compute_state(),
+            probe=self._probe_state(),
             rank=self.accelerator.process_index,
             world_size=self.accelerator.num_processes,
         )
@@ -511,6 +527,10 @@ class CostAwareGRPOTrainer(PromptStage, DeferredLogProbPasses, PackedLayout, Pro
             self._cost_aware_totals.update(state["totals"])
         if "compute" in state:
             self._load_compute_state(state["compute"])
+        if "probe" in state:
+            self._load_probe_state(
+                state["probe"], state.get("rank", self.accelerator.process_index) == self.accelerator.process_index
+            )
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -52,6 +52,7 @@ import torch
 
 from ..core.sampling import _clean, inclusion_probabilities
 from .budget import variance_inflation
+from .prompt_count import step_factor
 
 COST_MODELS = ("time", "tokens")
 # The rule's search: at most GRID candidate counts, then GRID more between the best one's neighbours.
@@ -183,9 +184,22 @@ def expected_kept_tokens(p: torch.Tensor, tokens: torch.Tensor, m: int, scheme: 
     return float((inclusion_probabilities(p, m) * t).sum())
 
 
-def predicted_cost(rho: float, inflation: float, fixed_cost: float, token_cost: float, kept_tokens: float) -> float:
-    """J(m) = (1 + ρ (1 + I(m))) · (C_fix + κ T(m)), in the units of the costs (up to the constant S_min)."""
-    return (1.0 + rho * (1.0 + inflation)) * (fixed_cost + token_cost * kept_tokens)
+def predicted_cost(
+    rho: float,
+    inflation: float,
+    fixed_cost: float,
+    token_cost: float,
+    kept_tokens: float,
+    within_share: float = 1.0,
+    step_model: str = "sgd",
+) -> float:
+    """J(m) = step_factor(ρ (1 + w I(m))) · (C_fix + κ T(m)), in the units of the costs (up to the constant S_min):
+    (1 + ρ (1 + w I(m))) under ``"sgd"``, its square root under ``"adam"`` (`prompt_count.step_factor`, the prompt
+    count's step model). w = `within_share` is the share of the batch's noise a row sample multiplies (module
+    docstring: 1 prices every row as independent)."""
+    if not 0.0 <= within_share <= 1.0:
+        raise ValueError(f"within_share must be in [0, 1], got {within_share}")
+    return step_factor(rho * (1.0 + within_share * inflation), step_model) * (fixed_cost + token_cost * kept_tokens)
 
 
 @dataclass(frozen=True)
@@ -207,8 +221,11 @@ def cheapest_kept_count(
     token_cost: float,
     multiple_of: int = 1,
     scheme: str = "systematic",
+    within_share: float = 1.0,
+    step_model: str = "sgd",
 ) -> ComputeChoice:
-    """The m in {multiple_of, 2·multiple_of, …, N} minimising J(m) (module docstring), ties to the larger m.
+    """The m in {multiple_of, 2·multiple_of, …, N} minimising J(m) (module docstring; `within_share` w and
+    `step_model` as in `predicted_cost`), ties to the larger m.
 
     `g` the proxies G_i (0 on rows that cannot carry gradient), `p` the sampling distribution, `tokens` each row's
     policy tokens t_i, `rho` = B_noise / N ≥ 0 (∞: keep every row), `fixed_cost` C_fix ≥ 0 and `token_cost` κ ≥ 0 in
@@ -231,7 +248,11 @@ def cheapest_kept_count(
             m = u * multiple_of
             inflation = variance_inflation(g, p, m, scheme)
             kept = expected_kept_tokens(p, tokens, m, scheme)
-            j = math.inf if math.isinf(inflation) else predicted_cost(rho, inflation, fixed_cost, token_cost, kept)
+            j = (
+                math.inf
+                if math.isinf(inflation)
+                else predicted_cost(rho, inflation, fixed_cost, token_cost, kept, within_share, step_model)
+            )
             cache[u] = (j, inflation)
         return cache[u][0]
 
@@ -266,6 +287,8 @@ class ComputeSignal:
     fixed_cost: float | None = None
     token_cost: float = 1.0
     generation_token_cost: float = 1.2
+    within_share: float = 1.0  # w: the share of the noise a row sample multiplies (1: rows priced as independent)
+    step_model: str = "sgd"  # `prompt_count.step_factor`: "adam" for the per-coordinate normalised optimizers
 
     def costs(self, generated_tokens: float) -> tuple[float, float]:
         """(C_fix, κ) for a batch with `generated_tokens` generated tokens on this rank."""

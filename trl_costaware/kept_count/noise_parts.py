@@ -82,17 +82,71 @@ def noise_parts(
     prompt_halves: tuple[torch.Tensor, torch.Tensor],
     rollout_halves: tuple[torch.Tensor, torch.Tensor],
     weight: torch.Tensor | None = None,
+    prompt_share: float = 0.5,
+    rollout_share: float = 0.5,
 ) -> NoiseParts:
-    """The noise terms of one batch from its two prompt halves (g_A, g_B) and its two rollout halves (g_1, g_2):
-    total = |g_A − g_B|²/4, within = |g_1 − g_2|²/4, signal = g_A · g_B (module docstring), each |·| in the geometry of
-    `weight` when given. Single-batch estimates are noisy (between and signal can come out negative); average them
-    over batches with `mean_parts` before taking ratios."""
+    """The noise terms of one batch from its two prompt halves (g_A, g_B) and its two rollout halves (g_1, g_2), each
+    the mean gradient of its rows: total = a(1 − a)|g_A − g_B|², within = b(1 − b)|g_1 − g_2|², signal = g_A · g_B,
+    with a the share of the prompts in A and b the share of each prompt's rollouts in half 1 (1/2 and 1/2:
+    |g_A − g_B|²/4 and |g_1 − g_2|²/4, module docstring; unequal halves, e.g. an odd number of prompts or rollouts:
+    Var(g_A − g_B) = tr Var(g) (1/a + 1/(1 − a))), each |·| in the geometry of `weight` when given. Single-batch
+    estimates are noisy (between and signal can come out negative); average them over batches with `mean_parts`
+    before taking ratios."""
+    for name, share in (("prompt_share", prompt_share), ("rollout_share", rollout_share)):
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"{name} must be in (0, 1), got {share!r}")
     g_a, g_b = prompt_halves
     g_1, g_2 = rollout_halves
+    a, b = prompt_share, rollout_share
     return NoiseParts(
-        total=_sq(g_a - g_b, weight) / 4.0,
-        within=_sq(g_1 - g_2, weight) / 4.0,
+        total=a * (1 - a) * _sq(g_a - g_b, weight),
+        within=b * (1 - b) * _sq(g_1 - g_2, weight),
         signal=_dot(g_a, g_b, weight),
+    )
+
+
+def quarter_labels(groups: int, generations: int, generator: torch.Generator) -> tuple[torch.Tensor, float, float]:
+    """A random split of a batch of `groups` groups of `generations` consecutive rows (row j·G + r is rollout r of
+    prompt j) into the four quarters of `noise_parts`: each row's label 2·h + s, h ∈ {0, 1} its prompt half (A: ⌊K/2⌋
+    of the prompts, drawn uniformly) and s ∈ {0, 1} its rollout half (half 1: ⌊G/2⌋ of each prompt's rollouts, drawn
+    uniformly per prompt). Returns (labels (K·G,), a, b) with a = ⌊K/2⌋/K and b = ⌊G/2⌋/G the shares of prompt half A
+    and rollout half 1. Needs K ≥ 2 and G ≥ 2."""
+    if groups < 2 or generations < 2:
+        raise ValueError(f"a split into halves needs >= 2 groups and >= 2 rollouts each, got {groups}, {generations}")
+    k_a, g_1 = groups // 2, generations // 2
+    prompt_half = torch.ones(groups, dtype=torch.long)
+    prompt_half[torch.randperm(groups, generator=generator)[:k_a]] = 0
+    rollout_half = torch.ones(groups, generations, dtype=torch.long)
+    for j in range(groups):
+        rollout_half[j, torch.randperm(generations, generator=generator)[:g_1]] = 0
+    labels = (2 * prompt_half[:, None] + rollout_half).reshape(-1)
+    return labels, k_a / groups, g_1 / generations
+
+
+def parts_from_sums(
+    ha_sq: float, hb_sq: float, ha_hb: float, r_sq: float, prompt_share: float, rollout_share: float, rows: int
+) -> NoiseParts:
+    """`noise_parts` from four scalars of the quarters' gradient SUMS Q_q (labels of `quarter_labels`: 0 = (A, 1),
+    1 = (A, 2), 2 = (B, 1), 3 = (B, 2); each Q_q the sum of its rows' gradients, N = `rows` rows in all), so that a
+    caller accumulating H_A = Q_0 + Q_1, H_B = Q_2 + Q_3 and R = (Q_0 + Q_2)/b − (Q_1 + Q_3)/(1 − b) never holds more
+    than three gradient-sized buffers. With g_A = H_A/(aN), g_B = H_B/((1 − a)N) and g_1 − g_2 = R/N:
+
+        total  = a(1 − a) (|H_A|²/a² + |H_B|²/(1 − a)² − 2 H_A·H_B/(a(1 − a))) / N²,
+        within = b(1 − b) |R|² / N²,      signal = H_A·H_B / (a(1 − a) N²).
+
+    `ha_sq` = |H_A|², `hb_sq` = |H_B|², `ha_hb` = H_A·H_B, `r_sq` = |R|²."""
+    a, b = prompt_share, rollout_share
+    for name, share in (("prompt_share", a), ("rollout_share", b)):
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"{name} must be in (0, 1), got {share!r}")
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows}")
+    n2 = float(rows) ** 2
+    difference = ha_sq / a**2 + hb_sq / (1 - a) ** 2 - 2.0 * ha_hb / (a * (1 - a))
+    return NoiseParts(
+        total=a * (1 - a) * max(difference, 0.0) / n2,
+        within=b * (1 - b) * r_sq / n2,
+        signal=ha_hb / (a * (1 - a) * n2),
     )
 
 

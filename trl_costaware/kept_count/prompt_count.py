@@ -122,23 +122,38 @@ def step_model_for(optim: str) -> str:
     return "sgd" if name == "sgd" else "adam"
 
 
-def predicted_step_ratio(rho: float, fraction: float, model: str = "adam") -> float:
-    """S(φ) / S(1): (1 + ρ/φ) / (1 + ρ) under ``"sgd"``, its square root under ``"adam"`` (module docstring); ρ = ∞
-    gives 1/φ (and 1/√φ)."""
-    if not fraction > 0:
-        raise ValueError(f"fraction must be > 0, got {fraction}")
+def step_factor(noise_to_signal: float, model: str = "adam") -> float:
+    """Steps to a target, up to a constant, at a batch whose noise-to-signal ratio is x: 1 + x under ``"sgd"``,
+    √(1 + x) under ``"adam"`` (module docstring). The one step model both rules price with: the prompt count here, the
+    kept count in `compute_budget.predicted_cost`."""
     if model not in STEP_MODELS:
         raise ValueError(f"model must be one of {STEP_MODELS}, got {model!r}")
-    linear = 1.0 / fraction if math.isinf(rho) else (1.0 + rho / fraction) / (1.0 + rho)
+    linear = 1.0 + noise_to_signal
     return linear if model == "sgd" else math.sqrt(linear)
 
 
-def predicted_compute_ratio(rho: float, fraction: float, fixed: float, variable: float, model: str = "adam") -> float:
+def predicted_step_ratio(rho: float, fraction: float, model: str = "adam", base: float = 1.0) -> float:
+    """S(φ) / S(1) = step_factor(ρ b/φ) / step_factor(ρ b): (1 + ρb/φ) / (1 + ρb) under ``"sgd"``, its square root
+    under ``"adam"`` (module docstring). b = `base` ≥ 1 is the noise multiplier of what the step trains on at every
+    fraction (1: every generated row; 1 + w I with the row stage's sample, `compute_budget`); ρ = ∞ gives 1/φ (and
+    1/√φ)."""
+    if not fraction > 0:
+        raise ValueError(f"fraction must be > 0, got {fraction}")
+    if not base >= 1.0:
+        raise ValueError(f"base must be >= 1, got {base}")
+    if math.isinf(rho):
+        return step_factor(1.0 / fraction - 1.0, model)
+    return step_factor(rho * base / fraction, model) / step_factor(rho * base, model)
+
+
+def predicted_compute_ratio(
+    rho: float, fraction: float, fixed: float, variable: float, model: str = "adam", base: float = 1.0
+) -> float:
     """J(φ) = S(φ) C(φ) / (S(1) C(1)) with C(φ) = fixed + φ variable (module docstring)."""
     full = fixed + variable
     if not full > 0:
         raise ValueError(f"a step must cost something: fixed + variable = {full}")
-    return predicted_step_ratio(rho, fraction, model) * (fixed + fraction * variable) / full
+    return predicted_step_ratio(rho, fraction, model, base) * (fixed + fraction * variable) / full
 
 
 @dataclass(frozen=True)
@@ -152,7 +167,7 @@ class PromptCountDecision:
     fallback: bool  # True: ρ or the costs were not usable, every prompt generated (today's behaviour)
 
     def metrics(
-        self, rho: float | None, fixed: float | None, variable: float | None, model: str = "adam"
+        self, rho: float | None, fixed: float | None, variable: float | None, model: str = "adam", base: float = 1.0
     ) -> dict[str, float]:
         """The decision's log entries: the fraction and the fallback flag always; the predictions where the rule
         predicted (finite numbers only)."""
@@ -164,8 +179,8 @@ class PromptCountDecision:
             out["prompt_noise_to_signal"] = float(rho)
             out["step_cost_fixed_share"] = float(fixed / (fixed + variable))
             for name, phi in (("half", 0.5), ("quarter", 0.25)):
-                out[f"predicted_compute_{name}"] = predicted_compute_ratio(rho, phi, fixed, variable, model)
-                out[f"predicted_steps_{name}"] = predicted_step_ratio(rho, phi, model)
+                out[f"predicted_compute_{name}"] = predicted_compute_ratio(rho, phi, fixed, variable, model, base)
+                out[f"predicted_steps_{name}"] = predicted_step_ratio(rho, phi, model, base)
         return out
 
 
@@ -177,9 +192,11 @@ def choose_prompt_count(
     variable: float | None,
     max_step_ratio: float,
     model: str = "adam",
+    base: float = 1.0,
 ) -> PromptCountDecision:
     """The allowed k minimising J(k / groups) subject to S(k/groups)/S(1) ≤ `max_step_ratio` under the step model
-    `model` (``"adam"`` or ``"sgd"``, module docstring);
+    `model` (``"adam"`` or ``"sgd"``, module docstring), with the row stage's noise multiplier `base` (1 + w I:
+    `predicted_step_ratio`);
     every group (k = groups, `fallback`) when ρ is missing or not a finite number > 0, or `fixed` or `variable` is
     missing or not a finite number ≥ 0, or fixed + variable is 0. Ties go to the larger k."""
     usable = (
@@ -199,10 +216,10 @@ def choose_prompt_count(
     best = None
     for k in sorted(set(allowed) | {groups}, reverse=True):
         phi = k / groups
-        steps = predicted_step_ratio(rho, phi, model)
+        steps = predicted_step_ratio(rho, phi, model, base)
         if steps > max_step_ratio * (1 + 1e-12) and k != groups:
             continue
-        cost = predicted_compute_ratio(rho, phi, fixed, variable, model)
+        cost = predicted_compute_ratio(rho, phi, fixed, variable, model, base)
         if best is None or cost < best.compute_ratio - 1e-12:
             best = PromptCountDecision(k, phi, steps, cost, False)
     return best

@@ -7,7 +7,8 @@ measurements in `step_signals.py`, the derivation in docs/prompt_count.md.
   ``"sgd"`` for `optim="sgd"`, else ``"adam"``), on rank 0's measured costs and the full batch's noise-to-signal
   ρ (identical on every rank: the gradient it is read from is all-reduced), broadcast to every rank (one collective of
   one integer per generation batch), so K′ = k × world size is global and every rank's TRL call gathers equal sizes.
-  Until the noise scale has `MIN_NOISE_PAIRS` pairs, every prompt is generated (the fallback); under the time cost
+  Until the noise probe has `MIN_PROBES` probes (or, with the probe off, the noise scale has `MIN_NOISE_PAIRS` pairs
+  of steps), every prompt is generated (the fallback); under the time cost
   model, while the generation-time fit has seen one batch size only, every second of those batches is a probe at
   half the prompts, so that the fit sees two sizes (`cost_aware/prompt_probe`).
 - Which groups: a uniform draw without replacement from the rank's own stream (`stream_generator(seed, rank,
@@ -28,7 +29,6 @@ import torch
 from ..core.sampling import stream_generator
 from .prompt_count import (
     AUTO,
-    MIN_NOISE_PAIRS,
     PromptCountDecision,
     allowed_counts,
     choose_prompt_count,
@@ -78,7 +78,8 @@ class PromptCount:
         self._open_window_fraction(decision.fraction)
         metrics = self._metrics["train"]
         if self._prompt_auto:
-            for key, value in decision.metrics(*self._prompt_inputs(), self._prompt_step_model).items():
+            base = self._prompt_base()
+            for key, value in decision.metrics(*self._prompt_inputs(), self._prompt_step_model, base).items():
                 metrics[f"cost_aware/{key}"].append(value)
             metrics["cost_aware/prompt_probe"].append(float(probe))
         else:
@@ -86,9 +87,9 @@ class PromptCount:
         return [inputs[j * g + r] for j in chosen for r in range(g)]
 
     def _prompt_inputs(self) -> tuple[float | None, float | None, float | None]:
-        """(ρ, A, B) for the rule (module docstring); None where not measured yet (fewer than `MIN_NOISE_PAIRS` pairs
-        of steps, no closed window, or the gradient not readable)."""
-        rho = self._full_batch_rho() if self._noise_available and self._noise.count >= MIN_NOISE_PAIRS else None
+        """(ρ, A, B) for the rule (module docstring); None where not measured yet (no noise estimate,
+        `_noise_estimate_ready`; no closed window)."""
+        rho = self._full_batch_rho() if self._noise_estimate_ready() else None
         generated, policy = self._generated_full.value, self._policy_full.value
         if generated is None or policy is None:
             return rho, None, None
@@ -102,6 +103,15 @@ class PromptCount:
         fixed = args.cost_aware_generation_step_cost
         return rho, fixed, args.cost_aware_generation_token_cost * generated + self.num_iterations * policy
 
+    def _prompt_base(self) -> float:
+        """The noise multiplier of what a step trains on, at every prompt fraction: 1 + w I, with I the row stage's
+        latest predicted inflation and w the noise probe's within-group share (`noise_probe.py`); 1 without the row
+        stage or before the probe has measured w (the rows then add nothing to the prompt count's model)."""
+        within = self._probe_within_share() if self.args.cost_aware else None
+        if within is None:
+            return 1.0
+        return 1.0 + within * max(self._step_inflation, 0.0)
+
     def _prompt_decision(self, groups: int) -> tuple[PromptCountDecision, bool]:
         """(the decision, whether it is a probe) for this generation batch; k identical on every rank."""
         args = self.args
@@ -110,7 +120,14 @@ class PromptCount:
             return PromptCountDecision(k, k / groups, float("nan"), float("nan"), False), False
         rho, fixed, variable = self._prompt_inputs()
         decision = choose_prompt_count(
-            groups, self._prompt_allowed, rho, fixed, variable, args.cost_aware_max_step_ratio, self._prompt_step_model
+            groups,
+            self._prompt_allowed,
+            rho,
+            fixed,
+            variable,
+            args.cost_aware_max_step_ratio,
+            self._prompt_step_model,
+            self._prompt_base(),
         )
         probe = False
         if (

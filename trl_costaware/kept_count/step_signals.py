@@ -60,7 +60,7 @@ from transformers import TrainerCallback
 
 from .budget import COMPUTE
 from .compute_budget import ComputeSignal, Ema, NoiseScale, gradient_terms, rows_per_optimizer_step
-from .prompt_count import AUTO, StepCostFit
+from .prompt_count import AUTO, MIN_NOISE_PAIRS, StepCostFit, step_model_for
 
 # Where the estimator reads the gradient (`gradient_source`).
 PARAM_GRAD, ZERO0, ZERO1 = "param.grad", "zero0", "zero1"
@@ -169,6 +169,12 @@ class ComputeSignals:
         self._window = {"generation": 0.0, "optimizer": 0.0, "train": 0.0, "tokens": 0.0, "generated": 0.0}
         return now
 
+    def _note_probe(self, seconds: float):
+        """The noise probe's seconds (`noise_probe.py`), counted in the open window's fixed cost with the optimizer
+        step (a cost that does not scale with the kept tokens; the prompt count's A), so the rules pay for it."""
+        if self._signals_on and self._window is not None and seconds > 0:
+            self._window["optimizer"] += seconds
+
     def _end_generation(self, start: float):
         if self._signals_on and self._window is not None:
             self._window["generation"] = self._clock() - start
@@ -226,23 +232,35 @@ class ComputeSignals:
         if not self._compute_rule:
             return None
         args = self.args
-        rho = self._full_batch_rho() if self._noise_available else None
+        rho = self._full_batch_rho()
         if rho is not None:
             rho = rho / self._batch_fraction  # the noise-to-signal of the batch the rows are drawn from
         fixed, per_token = None, float(self.num_iterations)
         if args.cost_aware_cost_model == "time" and self._fixed_cost.value is not None:
             fixed, per_token = self._fixed_cost.value, self._token_cost.value
+        within = self._probe_within_share() if self._probe_ready() else None
         return ComputeSignal(
             rho=rho,
-            available=self._noise_available,
+            available=self._noise_available or self._probe_on,
             fixed_cost=fixed,
             token_cost=per_token,
             generation_token_cost=args.cost_aware_generation_token_cost,
+            within_share=1.0 if within is None else within,
+            step_model=step_model_for(args.optim),
         )
 
     def _full_batch_rho(self) -> float | None:
-        """ρ of the full generation batch (module docstring), None before the first pair of steps."""
-        return self._noise.ratio
+        """ρ of the full generation batch: the noise probe's once it has `MIN_PROBES` probes (`noise_probe.py`: read
+        at one point of the parameters), else the consecutive steps' (module docstring); None before either has an
+        estimate."""
+        if self._probe_ready():
+            return self._probe_rho()
+        return self._noise.ratio if self._noise_available else None
+
+    def _noise_estimate_ready(self) -> bool:
+        """Whether the rules have a noise estimate to act on: `MIN_PROBES` probes, or `MIN_NOISE_PAIRS` pairs of
+        consecutive steps where the gradient can be read."""
+        return self._probe_ready() or (self._noise_available and self._noise.count >= MIN_NOISE_PAIRS)
 
     def _open_window_fraction(self, fraction: float):
         """The fraction φ of the prompts the open window's batch generated for (and trains on)."""

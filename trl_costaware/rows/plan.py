@@ -323,9 +323,12 @@ def _compute_count(rows: RowStats, s: PlanSettings, p, g, signal: ComputeSignal,
         metrics["compute_rule_fallback"] = 1.0
         return n
     tokens = rows.prompt_tokens + rows.completion_tokens
-    choice = cheapest_kept_count(g, p, tokens, signal.rho, fixed, per_token, s.kept_multiple, s.draw)
+    choice = cheapest_kept_count(
+        g, p, tokens, signal.rho, fixed, per_token, s.kept_multiple, s.draw, signal.within_share, signal.step_model
+    )
     metrics["compute_rule_fallback"] = 0.0
     metrics["compute_cost_ratio"] = choice.cost_ratio
+    metrics["compute_within_share"] = signal.within_share
     return choice.m
 
 
