@@ -140,7 +140,11 @@ class NoiseProbe:
             )
             return 0.0
         start = self._clock()
-        terms = self._probe_terms(batch)
+        device = self.accelerator.device
+        # its own random state: a dropout mask drawn here must not shift the rollouts' sampling that follows, so a run
+        # with the probe trains exactly as one without it
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            terms = self._probe_terms(batch)
         if terms is not None:
             self._record_probe(*terms, fraction)
         return self._clock() - start
@@ -237,14 +241,14 @@ class NoiseProbe:
         self._probe_signal.update(signal)
         self._probe_count += 1
         metrics = self._metrics["train"]
-        metrics["cost_aware/probe_total"].append(total)
-        metrics["cost_aware/probe_within"].append(within)
-        metrics["cost_aware/probe_signal"].append(signal)
+        metrics["cost_aware/noise_probe_total"].append(total)
+        metrics["cost_aware/noise_probe_within"].append(within)
+        metrics["cost_aware/noise_probe_signal"].append(signal)
         rho, share = self._probe_rho(), self._probe_within_share()
         if rho is not None and math.isfinite(rho):
-            metrics["cost_aware/probe_noise_to_signal"].append(rho)
+            metrics["cost_aware/noise_probe_noise_to_signal"].append(rho)
         if share is not None:
-            metrics["cost_aware/probe_within_share"].append(share)
+            metrics["cost_aware/noise_probe_within_share"].append(share)
 
     def _probe_state(self) -> dict:
         return {

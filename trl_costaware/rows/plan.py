@@ -246,7 +246,7 @@ class AcceleratorCollective:
 
 
 # The "compute" rule's metrics (`_compute_count`), logged as their mean over ranks.
-RULE_METRICS = ("compute_rule_fallback", "compute_cost_ratio", "cost_fixed", "cost_per_token")
+RULE_METRICS = ("compute_rule_fallback", "compute_cost_ratio", "compute_within_share", "cost_fixed", "cost_per_token")
 
 
 # ---------------------------------------------------------------------------------------------------- output
