@@ -19,6 +19,7 @@ from trl_costaware.core.sampling import capped_kept_count, gradient_proxy
 from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
 from trl_costaware.kept_count.compute_budget import cheapest_kept_count
+from trl_costaware.kept_count.noise_probe import NoiseProbe
 from trl_costaware.kept_count.step_signals import PARAM_GRAD, ZERO0, ZERO1, ComputeSignals, gradient_source
 
 
@@ -216,7 +217,8 @@ def test_rule_sees_the_estimators_noise_scale(model_path, tmp_path):
             self.pairs.append((self._noise.ratio, signal.rho))
             return signal
 
-    trainer = train(model_path, make_args(tmp_path, max_steps=4), Watching)
+    # the noise probe off: the consecutive steps' estimator (the probe's path: tests/test_noise_probe.py)
+    trainer = train(model_path, make_args(tmp_path, max_steps=4, cost_aware_noise_probe_every=0), Watching)
     assert trainer.pairs[0] == (None, None)
     assert all(rho == pytest.approx(ratio) for ratio, rho in trainer.pairs[2:])
     assert len({ratio for ratio, _ in trainer.pairs[2:]}) > 1  # the estimate moves from batch to batch
@@ -319,7 +321,7 @@ def test_gradient_source_by_backend():
 def bare_host(source):
     """The estimator alone (no trainer) on a `ComputeSignals` host, reading from `source`."""
 
-    class Host(ComputeSignals):
+    class Host(NoiseProbe, ComputeSignals):  # the probe off: the consecutive steps' estimator alone
         pass
 
     host = Host()
@@ -329,15 +331,19 @@ def bare_host(source):
         cost_aware_budget_delta=0.1,
         cost_aware_cost_model="tokens",
         cost_aware_generation_token_cost=1.2,
+        cost_aware_noise_probe_every=0,
+        optim="adamw_torch",
+        seed=0,
     )
     host.is_deepspeed_enabled = host.is_fsdp_enabled = False
-    host.accelerator = SimpleNamespace(scaler=None)
+    host.accelerator = SimpleNamespace(scaler=None, process_index=0)
     host.add_callback = lambda callback: None
     host._metrics = {"train": defaultdict(list)}
     host.state = SimpleNamespace(global_step=0)
     host.model = torch.nn.Linear(1, 1)
     host.num_iterations = 1
     host._init_compute_signals()
+    host._init_noise_probe(row_length=False)
     host._gradient_source = source
     return host
 

@@ -287,9 +287,9 @@ def test_fixed_fraction_generates_half_the_prompts(tiny_model_path, dataset, tmp
 
 @pytest.mark.parametrize("cost_aware", [True, False])
 def test_auto_falls_back_probes_then_decides(tiny_model_path, dataset, tmp_path, cost_aware):
-    """ "auto" (time model): every prompt until the noise scale has MIN_NOISE_PAIRS pairs (fallback 1), with a probe
-    at half the prompts on the second batch so that the generation-time fit sees two sizes; then predictions from the
-    measured ρ and costs (fallback 0), in GRPO runs too. 9 generation batches."""
+    """ "auto" (time model), noise probe off: every prompt until the noise scale has MIN_NOISE_PAIRS pairs (fallback
+    1), with a probe at half the prompts on the second batch so that the generation-time fit sees two sizes; then
+    predictions from the measured ρ and costs (fallback 0), in GRPO runs too. 9 generation batches."""
     trainer = train(
         tiny_model_path,
         dataset,
@@ -297,6 +297,7 @@ def test_auto_falls_back_probes_then_decides(tiny_model_path, dataset, tmp_path,
         Recording,
         cost_aware=cost_aware,
         cost_aware_prompt_fraction=AUTO,
+        cost_aware_noise_probe_every=0,  # the consecutive steps' noise (the probe's path: tests/test_noise_probe.py)
         max_steps=9,
     )
     fallback = series(trainer, "cost_aware/prompt_rule_fallback")
