@@ -135,7 +135,7 @@ def test_scoring_rows(tmp_path):
     rows = npc.score(response, probes)
     assert rows[0]["adam_probe"] == pytest.approx(math.sqrt(1.5)) and rows[0]["adam_probe_holds"] is True
     assert rows[0]["adam_model_m_holds"] is False and rows[0]["adam_run_model_m"] is None
-    assert rows[1]["adam_probe"] == pytest.approx(math.sqrt(1.0)) and rows[1]["adam_probe_holds"] is False
+    assert rows[1]["adam_probe"] == pytest.approx(math.sqrt(1.5)) and rows[1]["adam_probe_holds"] is False
     assert rows[1]["adam_probe_w1"] == pytest.approx(math.sqrt(2.0)) and rows[1]["adam_probe_w1_holds"] is True
     assert rows[2]["adam_probe"] is None and rows[2]["adam_probe_holds"] is None  # no probe, no measured ratio
     sh = npc.shares(rows)

@@ -738,3 +738,9 @@ def test_prompt_count_across_ranks(tiny_model, tmp_path, plain):
     key = "cost_aware/prompt_fraction"
     fractions = [[h[key] for h in r["log_history"] if key in h] for r in (r0, r1)]
     assert fractions[0] == fractions[1] == [n / 8 for n in r0["prompt_inputs"]]
+    # the noise probe ran on both ranks on batches 1 and 3 (batch 2, at one group per rank, cannot be split by
+    # prompts and is skipped; DDP: the backward on the unwrapped module, no hang), every rank logging the same
+    # all-reduced terms
+    for key in ("cost_aware/noise_probe_total", "cost_aware/noise_probe_within", "cost_aware/noise_probe_signal"):
+        logged = [[h[key] for h in r["log_history"] if key in h] for r in (r0, r1)]
+        assert len(logged[0]) == 2 and logged[0] == pytest.approx(logged[1], rel=1e-6)
