@@ -9,27 +9,35 @@ Empirical Model of Large-Batch Training", arXiv 1812.06162) gives the optimizer 
 
     S(B) ≈ S_min · (1 + B_noise / B),      B_noise = tr(Σ) / |G|²,
 
-with Σ the per-row gradient covariance, G the true gradient and B the batch size. An m-row importance-weighted
-sample of an N-row batch has the variance of N / (1 + I(m)) rows, so with ρ = B_noise / N (the gradient noise scale
-in units of one optimizer step's rows)
+with Σ the per-row gradient covariance, G the true gradient and B the batch size, for SGD at a tuned learning rate;
+under Adam and the other per-coordinate normalised optimizers at a fixed learning rate the steps grow as the square
+root, √(1 + B_noise / B) (`prompt_count.step_factor`, the step model the prompt count uses too; BENCHMARKS.md §10.1
+measured it). An m-row importance-weighted sample of an N-row batch does not multiply all of the batch's noise: which
+prompts were drawn (the between-prompt part) is not changed by which of their rows are kept, only the within-group
+part is. With ρ = B_noise / N the full batch's noise-to-signal ratio, w its within-group share (both measured by the
+noise probe, `noise_probe.py`; w = 1 without it, every row priced as independent) and I(m) the sample's predicted
+inflation over rows taken as independent, the sample's noise-to-signal ratio is ρ (1 + w I(m)), and
 
-    S(m) ∝ 1 + ρ · (1 + I(m)).
+    S(m) ∝ step_factor(ρ (1 + w I(m))):    1 + ρ (1 + w I(m))  ("sgd"),    √(1 + ρ (1 + w I(m)))  ("adam").
 
 **Cost of a step.** C_fix does not shrink with m (generation, scoring, the optimizer step); the update (forward and
 backward, old-policy and reference passes) costs κ per kept policy token, and an m-row draw keeps
 T(m) = Σ_i π_i(m) t_i tokens in expectation (t_i = prompt + completion tokens of row i; m Σ_i p_i t_i for the
 multinomial draw). The run's cost to the target is then proportional to
 
-    J(m) = (1 + ρ (1 + I(m))) · (C_fix + κ T(m)),
+    J(m) = S(m) · (C_fix + κ T(m)),
 
-and the rule keeps the m (a multiple of the layout's rounding) that minimises it. Limits: ρ → 0 gives the smallest m
-(the update's noise costs no steps, so only its price counts); ρ = ∞ keeps all N rows; for large finite ρ the rule
-minimises (1 + I(m)) (C_fix + κ T(m)), which keeps every row that can carry gradient (I = 0) once C_fix dominates,
+and the rule keeps the m (a multiple of the layout's rounding) that minimises it. Limits: ρ → 0 or w = 0 gives the
+smallest m (the sample's noise costs no steps, so only its price counts); ρ = ∞ keeps all N rows; for large finite ρ
+the "sgd" rule minimises (1 + w I(m)) (C_fix + κ T(m)) (the "adam" rule with the square root of the first factor),
+which keeps every row that can carry gradient (I = 0) once C_fix dominates,
 or when the rows are alike (k equal rows: (1 + I(m)) T(m) = (k/m)(m/k) T(k) is flat and (k/m) C_fix falls with m),
 and is the variance × cost objective of cost-aware SGD when C_fix = 0. Nothing else about the batch enters, so m
 is a function of the batch and the run's measured signals, not of the draw: the estimate stays unbiased given m.
 
-**The noise scale, measured.** ρ comes from the optimizer steps' own gradients (`noise_terms`): with G_t the step's
+**The noise scale, measured.** ρ comes from the noise probe where it runs (`noise_probe.py`: within one point of the
+parameters, with w). Elsewhere (the probe off, DeepSpeed ZeRO-0/1) it comes from the optimizer steps' own gradients
+(`noise_terms`), with w = 1: with G_t the step's
 accumulated gradient before clipping and G_{t'} that of the latest step of an earlier generation batch (its rows are
 independent of step t's), E[G_t · G_{t'}] ≈ |G|² and E|G_t|² = |G|² + V_t, where V_t = (tr Σ / B)(1 + I_t) is the
 variance of step t's estimate with its own kept sample's inflation I_t. Each step gives

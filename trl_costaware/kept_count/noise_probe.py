@@ -192,8 +192,8 @@ class NoiseProbe:
                 torch.stack([(x * y).sum() for x, y in zip(h_a, h_b, strict=True)]).sum(),
                 torch.stack([x.square().sum() for x in r]).sum(),
             ]
-        ).double()
-        parts = parts_from_sums(*terms.cpu().tolist(), a, b, n)
+        )
+        parts = parts_from_sums(*terms.cpu().double().tolist(), a, b, n)  # one transfer; no float64 on the device
         return parts.total, parts.within, parts.signal
 
     def _probe_backward(self, model, batch, mask, rows: list[int], host: torch.Tensor):
