@@ -117,6 +117,52 @@ def test_search_finds_the_exhaustive_minimum(n_units, multiple, seed, log_rho, l
     assert choice.cost_ratio == pytest.approx(costs[choice.m] / costs[n], rel=1e-9)
 
 
+# ------------------------------------------------------------------------------------------------ the re-derived rule
+def test_predicted_cost_under_both_step_models_and_the_within_share():
+    """J(m) = step_factor(ρ (1 + w I)) (C_fix + κ T): 1 + x under "sgd" (w = 1: the rule as first derived), √(1 + x)
+    under "adam"; w scales only the sample's inflation, never the batch's own noise."""
+    rho, inflation, fixed, kappa, kept = 0.8, 1.5, 10.0, 2.0, 30.0
+    cost = fixed + kappa * kept
+    assert predicted_cost(rho, inflation, fixed, kappa, kept) == pytest.approx((1 + rho * (1 + inflation)) * cost)
+    assert predicted_cost(rho, inflation, fixed, kappa, kept, 0.2, "adam") == pytest.approx(
+        math.sqrt(1 + rho * (1 + 0.2 * inflation)) * cost
+    )
+    assert predicted_cost(rho, inflation, fixed, kappa, kept, 0.0, "sgd") == pytest.approx((1 + rho) * cost)
+    with pytest.raises(ValueError, match="within_share"):
+        predicted_cost(rho, inflation, fixed, kappa, kept, 1.5)
+    with pytest.raises(ValueError, match="model"):
+        predicted_cost(rho, inflation, fixed, kappa, kept, 0.5, "momentum")
+
+
+@pytest.mark.parametrize("model", ["sgd", "adam"])
+def test_no_within_group_noise_keeps_the_fewest_rows(model):
+    """w = 0: a row sample adds no noise that costs steps (all of it is which prompts were drawn), so the rule keeps
+    the fewest rows whatever ρ; at w = 1 it keeps more."""
+    g, p, tokens = batch(128, 5)
+    choice = cheapest_kept_count(g, p, tokens, 5.0, 500.0, 1.0, within_share=0.0, step_model=model)
+    assert choice.m == 1
+    assert cheapest_kept_count(g, p, tokens, 5.0, 500.0, 1.0, within_share=1.0, step_model=model).m > 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), log_rho=st.floats(-2, 2), log_fixed=st.floats(1, 4))
+def test_kept_count_grows_with_the_within_share_and_adam_keeps_no_more_than_sgd(seed, log_rho, log_fixed):
+    """The more of the noise a sample multiplies, the more rows pay (monotone in w); and the square-root step model
+    prices the sample's noise less than the linear one, so it never keeps more rows (the inflation's price
+    ∂/∂I of log S is ρw / (2 (1 + ρ(1 + wI))) under "adam", twice that under "sgd")."""
+    g, p, tokens = batch(96, seed)
+    rho, fixed = 10.0**log_rho, 10.0**log_fixed
+    by_w = [
+        cheapest_kept_count(g, p, tokens, rho, fixed, 1.0, within_share=w, step_model="adam").m
+        for w in (0.0, 0.3, 1.0)
+    ]
+    assert by_w == sorted(by_w)
+    for w in (0.3, 1.0):
+        adam = cheapest_kept_count(g, p, tokens, rho, fixed, 1.0, within_share=w, step_model="adam").m
+        sgd = cheapest_kept_count(g, p, tokens, rho, fixed, 1.0, within_share=w, step_model="sgd").m
+        assert adam <= sgd
+
+
 def test_rule_refuses_bad_inputs():
     g, p, tokens = batch(16, 0)
     with pytest.raises(ValueError, match="rho"):
