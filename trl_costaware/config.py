@@ -207,10 +207,11 @@ class CostAwareGRPOConfig(GRPOConfig):
             step at φ times the prompts, unbiased, and generation, scoring and update all shrink. 1.0: every prompt
             (TRL's behaviour). A number in (0, 1): k is the count nearest φ K_r whose rows split into
             `steps_per_generation` equal micro-batches. `"auto"`: per generation batch, the k minimising the
-            predicted compute to the target, (1 + ρ/φ)(A + φ B), with ρ the full batch's measured gradient
-            noise-to-signal ratio and A, B the per-step and per-prompt-share costs fitted from the run's own steps,
-            subject to at most `cost_aware_max_step_ratio` times the full batch's steps; every prompt until the
-            noise scale has 4 pairs of steps (`trl_costaware/kept_count/prompt_count.py`). Needs
+            predicted compute to the target, S(φ)(A + φ B) with S(φ) = √(1 + ρ/φ) for Adam-like optimizers
+            (1 + ρ/φ for `optim="sgd"`), ρ the full batch's measured gradient noise-to-signal ratio (from the noise
+            probe, `cost_aware_noise_probe_every`) and A, B the per-step and per-prompt-share costs fitted from the
+            run's own steps, subject to at most `cost_aware_max_step_ratio` times the full batch's steps; every
+            prompt until the noise is measured (`trl_costaware/kept_count/prompt_count.py`). Needs
             `per_device_train_batch_size × steps_per_generation` to be a multiple of `num_generations`; not with
             `cost_aware_prompt_sampling` or `cost_aware_layout="full"`. `max_steps`, epochs and the learning-rate
             schedule keep TRL's meaning: a run that should reach GRPO's accuracy needs about the predicted step
@@ -375,8 +376,9 @@ class CostAwareGRPOConfig(GRPOConfig):
             "help": "Share of each generation batch's prompts generated for, with cost_aware True or False: each "
             "rank keeps the same number of its groups, drawn uniformly, so the step is GRPO's at fewer prompts "
             "(unbiased). 1.0: all (TRL's behaviour); a number in (0, 1]; or 'auto': per generation batch, the count "
-            "minimising the predicted compute to the target (1 + rho/phi)(A + phi B) from the run's measured "
-            "gradient noise and step costs, within cost_aware_max_step_ratio of the full batch's steps."
+            "minimising the predicted compute to the target S(phi)(A + phi B), S = sqrt(1 + rho/phi) for Adam-like "
+            "optimizers (1 + rho/phi for optim='sgd'), from the run's measured gradient noise and step costs, within "
+            "cost_aware_max_step_ratio of the full batch's steps."
         },
     )
     cost_aware_max_step_ratio: float = field(
