@@ -362,7 +362,8 @@ def markdown(table: dict, command: str) -> str:
         "ratios of means over the probed batches, 95% intervals resampling seeds), against the lr-0 ρ and the run's "
         "own consecutive-steps ρ of `response_model.json`:",
         "",
-        "| cell | seeds × batches | ρ probe | w = within / total | ρ per seed | w per seed | ρ lr 0 | ρ, the run's own |",
+        "| cell | seeds × batches | ρ probe | w = within / total | ρ per seed | w per seed | ρ lr 0 | "
+        "ρ, the run's own |",
         "|---|---|---|---|---|---|---|---|",
     ]
     noise = table.get("response_noise", {})
@@ -392,7 +393,9 @@ def markdown(table: dict, command: str) -> str:
         "Steps to the target / GRPO's (✓: within ±15% of the measured mean). m: 1/φ for a prompt fraction, 1 + I for "
         "a row sample (I at lr 0):",
         "",
-        "| cell | arm | target | measured (seeds reaching) | m model | " + " | ".join(LABELS[k] for k in SCORED) + " |",
+        "| cell | arm | target | measured (seeds reaching) | m model | "
+        + " | ".join(LABELS[k] for k in SCORED)
+        + " |",
         "|---|---|---|---|---|" + "---|" * len(SCORED),
     ]
     for r in table["rows"]:
