@@ -147,6 +147,12 @@ ARMS: dict[str, dict] = {
         "trainer": "cost_aware",
         "settings": {**HALF, **NONE, "cost_aware_prompt_fraction": "auto"},
     },
+    # Both counts from one cost model: the prompt count ("auto") and the kept count ("compute"), each priced by this
+    # machine's measured times with the noise probe's ρ and within-group share (issue 39 item 2).
+    "cost_aware_compute_pauto": {
+        "trainer": "cost_aware",
+        "settings": {"cost_aware_kept_fraction": "compute", **NONE, "cost_aware_prompt_fraction": "auto"},
+    },
 }
 # The arms `cost_aware_compute_cal*` (the same rule with the noise scale × 0.3, BENCHMARKS.md §8.3) are retired with
 # the field `cost_aware_noise_scale_factor` (issue 38's audit); their runs stay published and `regime_analysis.py`

@@ -58,13 +58,18 @@ ARMS = (
     "cost_aware_0.5_p0.25",
     "cost_aware_0.5_pauto",
     "cost_aware_0.5_pauto_step55",
+    "cost_aware_compute_pauto",
 )
 AUTO, STEP_AUTO, DEFAULT = "cost_aware_0.5_pauto", "cost_aware_0.5_pauto_step55", "cost_aware_0.5"
+COMPUTE_AUTO = "cost_aware_compute_pauto"  # both counts from one cost model (the goals are scored for it too)
 FIXED = ("cost_aware_0.5", "cost_aware_0.5_p0.5", "cost_aware_0.5_p0.25")  # the row stage at fixed prompt fractions
 SPLITS = ("cpu", "gpu", "gpu_gen77", "step55")
 EPOCHS_GOAL = {"gpu": 0.6, "gpu_gen77": 0.7}
 TOLERANCE = 0.01
-WARMUP_BATCHES = 5  # the "auto" rule's start-up: MIN_NOISE_PAIRS + 1 generation batches before its first decision
+# The "auto" rule's start-up: the generation batches before its first decision. With the noise probe (the default
+# since issue 39's second session) MIN_PROBES + 1 = 3; it was MIN_NOISE_PAIRS + 1 = 5 with the consecutive steps'
+# estimator, the rule that `prompt_count_matrix.{json,md}` ran.
+WARMUP_BATCHES = 3
 STEP_SHARE = 0.5  # the share of GRPO's generation cost that is per step under the step55 pricing
 GEN_SHARE = 0.55
 
@@ -161,10 +166,11 @@ def _paired(cell: dict, arm: str, other: str, key: str) -> tuple:
     return bootstrap_ci(vals)
 
 
-def goals(cell_name: str, cell: dict) -> dict:
+def goals(cell_name: str, cell: dict, arm: str = AUTO) -> dict:
+    """Issue 39's goals for `arm` (module docstring; `AUTO` or `COMPUTE_AUTO`)."""
     arms = cell["arms"]
     out = {}
-    auto = arms.get(AUTO)
+    auto = arms.get(arm)
     if auto is None or auto["n"] < 3:
         return {"status": "no claim (fewer than 3 seeds of the auto arm)"}
     for f in FRACTIONS:
@@ -178,9 +184,9 @@ def goals(cell_name: str, cell: dict) -> dict:
             fixed = {a: arms[a][key][0] for a in FIXED if a in arms and arms[a][key][0] is not None}
             if fixed:
                 best = min(fixed, key=fixed.get)
-                r = _paired(cell, AUTO, best, key)
+                r = _paired(cell, arm, best, key)
                 out[f"vs_best_{k}_{f}"] = {"best": best, "ratio": r, "met": bool(reached and r[0] and r[0] <= 1.1)}
-            r = _paired(cell, AUTO, DEFAULT, key)
+            r = _paired(cell, arm, DEFAULT, key)
             out[f"vs_default_{k}_{f}"] = {"ratio": r, "met": bool(reached and r[0] and r[0] <= 1.05)}
         step = arms.get(STEP_AUTO)
         if step is not None:
@@ -225,20 +231,23 @@ def markdown(cells: dict, command: str) -> str:
             share = a.get("warmup_share_of_grpo_to_0.8")
             if share and share[0] is not None:
                 lines.append(
-                    f"\n{arm}: its first {WARMUP_BATCHES} generation batches (every prompt, before the noise scale "
-                    f"has its pairs) cost {_ci(share)} of GRPO's compute to the 80% target (generation 55%)."
+                    f"\n{arm}: its first {WARMUP_BATCHES} generation batches (before the noise is measured) cost "
+                    f"{_ci(share)} of GRPO's compute to the 80% target (generation 55%)."
                 )
-        g = cell.get("goals", {})
-        if "status" in g:
-            lines += ["", f"Goals: {g['status']}", ""]
-            continue
-        met = sum(v["met"] for v in g.values())
-        lines += ["", f"Goals met: {met} of {len(g)}. Not met:", ""]
-        for key, v in g.items():
-            if not v["met"]:
-                detail = _ci(v.get("ratio") or v.get("delta"), 3)
-                lines.append(f"- {key}: {detail}" + (f" (best fixed: {v['best']})" if "best" in v else ""))
-        lines.append("")
+        for label, field in ((AUTO, "goals"), (COMPUTE_AUTO, "goals_compute")):
+            g = cell.get(field)
+            if g is None:
+                continue
+            if "status" in g:
+                lines += ["", f"Goals ({label}): {g['status']}", ""]
+                continue
+            met = sum(v["met"] for v in g.values())
+            lines += ["", f"Goals ({label}) met: {met} of {len(g)}. Not met:", ""]
+            for key, v in g.items():
+                if not v["met"]:
+                    detail = _ci(v.get("ratio") or v.get("delta"), 3)
+                    lines.append(f"- {key}: {detail}" + (f" (best fixed: {v['best']})" if "best" in v else ""))
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -292,6 +301,8 @@ def main(argv=None):
         res = analyse_cell(rec["runs"]) if rec.get("runs") else {"status": "no candidate has the property"}
         if res.get("status") == "run":
             res["goals"] = goals(cell, res)
+            if COMPUTE_AUTO in res["arms"]:
+                res["goals_compute"] = goals(cell, res, COMPUTE_AUTO)
         results[cell] = res
     md = markdown(results, command)
     with open(os.path.join(common.RESULTS, f"{args.tag}.json"), "w", encoding="utf-8") as fh:
