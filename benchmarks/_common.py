@@ -280,3 +280,22 @@ def run_arm(
 
 # ==================================================================================================== one run
 HELDOUT_SEED = 12345  # the fixed held-out problems (the same for every run and for the final evaluation)
+
+
+def checked_names(flag: str, given: str, allowed) -> list[str]:
+    """The comma-separated names of a command-line list (`--cells`, `--arms`), each one of `allowed`; otherwise
+    SystemExit naming the flag, the unknown names and the allowed ones (every benchmark script's check)."""
+    names = [n for n in given.split(",") if n]
+    unknown = [n for n in names if n not in allowed]
+    if unknown or not names:
+        raise SystemExit(f"{flag}: unknown {unknown}; allowed: {', '.join(allowed)}")
+    return names
+
+
+def write_results(tag: str, payload: dict, md: str) -> None:
+    """`benchmarks/results/<tag>.json` (the payload) and `<tag>.md` (the tables)."""
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, f"{tag}.json"), "w", encoding="utf-8") as fh:
+        json.dump(payload, fh, indent=1)
+    with open(os.path.join(RESULTS, f"{tag}.md"), "w", encoding="utf-8") as fh:
+        fh.write(md + "\n")

@@ -449,10 +449,7 @@ def main(argv=None):
     p.add_argument("--response", default=RESPONSE, help="the measured step ratios (response_model.json)")
     p.add_argument("--tag", default="noise_probe_check", help="results name: benchmarks/results/<tag>.{json,md}")
     args = p.parse_args(argv)
-    cells = [c for c in args.cells.split(",") if c]
-    unknown = [c for c in cells if c not in CELL_SETTINGS]
-    if unknown or not cells:
-        raise SystemExit(f"--cells: unknown {unknown}; allowed cells: {', '.join(CELLS)}")
+    cells = common.checked_names("--cells", args.cells, CELL_SETTINGS)
     if args.seeds < 1:
         raise SystemExit(f"--seeds must be >= 1, got {args.seeds}")
     if args.batches < 1:
@@ -468,11 +465,7 @@ def main(argv=None):
                 )
     table = build(cells, args.seeds, args.out, args.response)
     md = markdown(table, command)
-    os.makedirs(common.RESULTS, exist_ok=True)
-    with open(os.path.join(common.RESULTS, f"{args.tag}.json"), "w", encoding="utf-8") as fh:
-        json.dump({"command": command, **table}, fh, indent=1)
-    with open(os.path.join(common.RESULTS, f"{args.tag}.md"), "w", encoding="utf-8") as fh:
-        fh.write(md + "\n")
+    common.write_results(args.tag, {"command": command, **table}, md)
     print(md)
     return table
 

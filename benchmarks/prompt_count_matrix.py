@@ -260,14 +260,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(common.ROOT, "outputs", "bench", "response_model"))
     p.add_argument("--tag", default="prompt_count_matrix")
     args = p.parse_args(argv)
-    cells = args.cells.split(",")
-    unknown = [c for c in cells if c not in CELLS]
-    if unknown:
-        raise SystemExit(f"--cells: unknown {unknown}; cells: {', '.join(CELLS)}")
-    arms = args.arms.split(",")
-    bad = [a for a in arms if a not in ARMS]
-    if bad:
-        raise SystemExit(f"--arms: unknown {bad}; arms: {', '.join(ARMS)}")
+    cells = common.checked_names("--cells", args.cells, CELLS)
+    arms = common.checked_names("--arms", args.arms, ARMS)
     command = " ".join(["python benchmarks/prompt_count_matrix.py", *(argv if argv is not None else sys.argv[1:])])
     if args.runs:
         import regime_matrix as rm
@@ -305,10 +299,7 @@ def main(argv=None):
                 res["goals_compute"] = goals(cell, res, COMPUTE_AUTO)
         results[cell] = res
     md = markdown(results, command)
-    with open(os.path.join(common.RESULTS, f"{args.tag}.json"), "w", encoding="utf-8") as fh:
-        json.dump({"command": command, "cells": results}, fh, indent=1)
-    with open(os.path.join(common.RESULTS, f"{args.tag}.md"), "w", encoding="utf-8") as fh:
-        fh.write(md + "\n")
+    common.write_results(args.tag, {"command": command, "cells": results}, md)
     print(md)
     return results
 

@@ -464,14 +464,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     tag = f"{args.tag}_smoke" if args.smoke else args.tag
     root = args.out or os.path.join(common.ROOT, "outputs", "bench", tag)
-    cells = args.cells.split(",")
-    unknown = [c for c in cells if c not in CELLS]
-    if unknown:
-        raise SystemExit(f"--cells: unknown {unknown}; cells: {', '.join(CELLS)}")
-    arms = ["grpo", *[a for a in args.arms.split(",") if a != "grpo"]]
-    bad = [a for a in arms if a not in common.ARMS]
-    if bad:
-        raise SystemExit(f"--arms: unknown {bad}")
+    cells = common.checked_names("--cells", args.cells, CELLS)
+    arms = ["grpo", *[a for a in common.checked_names("--arms", args.arms, common.ARMS) if a != "grpo"]]
     if args.smoke:
         arms, seeds, steps = arms[:1] + ["cost_aware_0.5"], [0], args.steps or 3
     else:

@@ -451,14 +451,8 @@ def main(argv=None):
     p.add_argument("--out", default=os.path.join(common.ROOT, "outputs", "bench", "response_model"))
     p.add_argument("--tag", default="response_model", help="results name: benchmarks/results/<tag>.{json,md}")
     args = p.parse_args(argv)
-    cells = args.cells.split(",")
-    unknown = [c for c in cells if c not in CELLS]
-    if unknown:
-        raise SystemExit(f"--cells: unknown {unknown}; cells: {', '.join(CELLS)}")
-    arms = args.arms.split(",")
-    bad = [a for a in arms if a not in common.ARMS]
-    if bad:
-        raise SystemExit(f"--arms: unknown {bad}")
+    cells = common.checked_names("--cells", args.cells, CELLS)
+    arms = common.checked_names("--arms", args.arms, common.ARMS)
     import regime_matrix as rm
 
     from trl_costaware.embedded.testbed import get_testbed
@@ -479,11 +473,7 @@ def main(argv=None):
                     rm.run_in_cell(ctx, arm, seed)
     table = build_table(cells, args.out, args.out)
     md = markdown(table, command)
-    os.makedirs(common.RESULTS, exist_ok=True)
-    with open(os.path.join(common.RESULTS, f"{args.tag}.json"), "w", encoding="utf-8") as fh:
-        json.dump({"command": command, **table}, fh, indent=1)
-    with open(os.path.join(common.RESULTS, f"{args.tag}.md"), "w", encoding="utf-8") as fh:
-        fh.write(md + "\n")
+    common.write_results(args.tag, {"command": command, **table}, md)
     print(md)
     return table
 

@@ -160,7 +160,7 @@ def test_help_and_bad_input(capsys):
     with pytest.raises(SystemExit) as exit_info:
         npc.main(["--help"])
     assert exit_info.value.code == 0 and "issue 39" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match=r"--cells: unknown \['nowhere'\]; allowed cells: default, default_variance"):
+    with pytest.raises(SystemExit, match=r"--cells: unknown \['nowhere'\]; allowed: default, default_variance"):
         npc.main(["--cells", "default,nowhere"])
     with pytest.raises(SystemExit, match="--seeds must be >= 1"):
         npc.main(["--seeds", "0"])
