@@ -53,6 +53,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
+from response_model import _ci as _measured  # noqa: E402
+from response_model import _p as _pred  # noqa: E402
 
 CELLS = ("default", "default_variance", "long", "long_variance", "long_epochs")
 # cell -> (testbed, (prompts per generation batch, learning rate) or None, pool or None)
@@ -341,18 +343,6 @@ def _num(v) -> str:
 
 def _with_ci(v, ci) -> str:
     return _num(v) if not ci else f"{_num(v)} [{_num(ci[0])}, {_num(ci[1])}]"
-
-
-def _measured(t) -> str:
-    if t is None or t[0] is None:
-        return "not reached"
-    return f"{t[0]:.2f}" if t[1] is None else f"{t[0]:.2f} [{t[1]:.2f}, {t[2]:.2f}]"
-
-
-def _pred(v, ok) -> str:
-    if v is None:
-        return "n/a"
-    return f"{v:.2f}" + ("" if ok is None else (" ✓" if ok else " ✗"))
 
 
 def markdown(table: dict, command: str) -> str:
