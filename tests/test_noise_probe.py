@@ -280,3 +280,26 @@ def test_config_refuses_a_bad_probe_interval(tmp_path, value):
         CostAwareGRPOConfig(
             output_dir=str(tmp_path), use_cpu=True, report_to="none", cost_aware_noise_probe_every=value
         )
+
+
+@pytest.mark.parametrize("terms", [(math.nan, 0.1, 1.0), (1.0, 0.1, math.inf), (1.0, 0.5, -2.0)])
+def test_degenerate_probe_falls_back_and_shows(tiny_model_path, dataset, tmp_path, monkeypatch, terms):
+    """A probe whose terms are not finite is not counted (the rule keeps waiting: every prompt, fallback 1 in the
+    logs); one whose signal is ≤ 0 reads ρ = ∞, and the rule generates every prompt and says so."""
+    monkeypatch.setattr(CostAwareGRPOTrainer, "_probe_terms", lambda self, batch: terms)
+    trainer = trainer_for(
+        tiny_model_path,
+        dataset,
+        tmp_path,
+        cost_aware_prompt_fraction="auto",
+        cost_aware_cost_model="tokens",
+        cost_aware_noise_probe_every=1,
+    )
+    trainer.train()
+    finite = all(math.isfinite(v) for v in terms)
+    assert trainer._probe_count == (5 if finite else 0)
+    assert series(trainer, "cost_aware/prompt_rule_fallback")[:3] == [1.0] * 3
+    if finite:
+        assert trainer._probe_rho() == math.inf
+        assert series(trainer, "cost_aware/prompt_rule_fallback") == [1.0] * 5
+        assert series(trainer, "cost_aware/prompt_fraction") == [1.0] * 5
