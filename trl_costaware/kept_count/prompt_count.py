@@ -31,6 +31,12 @@ a target respond depends on the optimizer (`step_model_for`):
   at 10 of 18 on the long testbed's three, where the SGD form over-predicts at every target outside the
   noise-dominated cell.
 
+With the row stage on, a step trains on a sample of what it generated, whose noise is the batch's times
+b = 1 + w I (I the sample's predicted inflation, w the within-group share of the noise, measured by the noise probe:
+a row sample multiplies only the within-group part). Every fraction is then compared at that b:
+S(φ)/S(1) = step_factor(ρ b/φ) / step_factor(ρ b) (`predicted_step_ratio`'s `base`), the step model the kept count's
+rule uses too (`compute_budget.predicted_cost`): one cost model for what a step generates and what it keeps.
+
 **Cost of a step.** C(φ) = A + φ B: A does not shrink with the batch (the generation engine's latency floor, the
 optimizer step), B is what scales with it, at φ = 1 (generated tokens times their price, kept policy tokens times
 theirs). `StepCostFit` fits the generation part a + b x (x: the batch's generated tokens) from the run's own
