@@ -441,3 +441,39 @@ def test_prompt_rule_on_device(tiny_model_path, dataset, tmp_path, monkeypatch, 
     metrics = trainer._metrics["train"]
     assert metrics["cost_aware/prompt_rule_fallback"][-1] == 0.0
     assert metrics["cost_aware/prompt_fraction"][-1] == len(chosen) / len(raw)
+
+
+# ------------------------------------------------------------------------------------------------ the row stage's b
+def test_step_ratio_with_the_row_stages_noise_multiplier():
+    """b = 1 + w I multiplies the noise at every fraction: S(φ)/S(1) = step_factor(ρb/φ) / step_factor(ρb); b = 1 is
+    the ratio without the row stage; ρ = ∞ ignores b; b < 1 is refused."""
+    rho, phi, b = 0.6, 0.25, 1.4
+    assert predicted_step_ratio(rho, phi, "sgd", 1.0) == pytest.approx((1 + rho / phi) / (1 + rho))
+    assert predicted_step_ratio(rho, phi, "sgd", b) == pytest.approx((1 + rho * b / phi) / (1 + rho * b))
+    assert predicted_step_ratio(rho, phi, "adam", b) == pytest.approx(math.sqrt((1 + rho * b / phi) / (1 + rho * b)))
+    assert predicted_step_ratio(math.inf, phi, "adam", b) == pytest.approx(1 / math.sqrt(phi))
+    with pytest.raises(ValueError, match="base"):
+        predicted_step_ratio(rho, phi, "adam", 0.5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rho=st.floats(0.01, 20.0),
+    fixed=st.floats(0.0, 10.0),
+    variable=st.floats(0.1, 10.0),
+    bound=st.floats(1.05, 3.0),
+    w=st.floats(0.0, 1.0),
+    inflation=st.floats(0.0, 5.0),
+)
+def test_noisier_rows_raise_the_bounds_smallest_count(rho, fixed, variable, bound, w, inflation):
+    """The more noise the row stage adds (b = 1 + w I), the more each fraction's step ratio grows (it rises with ρb
+    toward 1/√φ), so the step bound's smallest allowed count never falls as b grows, and the rule stays above it."""
+    allowed = list(range(1, 17))
+    plain = choose_prompt_count(16, allowed, rho, fixed, variable, bound, "adam", 1.0)
+    noisy = choose_prompt_count(16, allowed, rho, fixed, variable, bound, "adam", 1.0 + w * inflation)
+    min_plain = min(k for k in allowed if predicted_step_ratio(rho, k / 16, "adam", 1.0) <= bound * (1 + 1e-12))
+    min_noisy = min(
+        k for k in allowed if predicted_step_ratio(rho, k / 16, "adam", 1.0 + w * inflation) <= bound * (1 + 1e-12)
+    )
+    assert min_noisy >= min_plain
+    assert noisy.count >= min_noisy and plain.count >= min_plain
