@@ -72,6 +72,7 @@ def parse_args(argv=None):
     p.add_argument("--optim", default="adamw_torch", help="sgd: the weights move by the gradient itself")
     p.add_argument("--prompt-fraction", default="1.0", help="cost_aware_prompt_fraction: a number or 'auto'")
     p.add_argument("--plain", action="store_true", help="cost_aware=False (GRPO, with the prompt count)")
+    p.add_argument("--noise-probe-every", type=int, default=8, help="cost_aware_noise_probe_every (0: off)")
     return p.parse_args(argv)
 
 
@@ -143,6 +144,7 @@ def main(argv=None) -> int:
         optim=args.optim,
         cost_aware=not args.plain,
         cost_aware_prompt_fraction=PromptFraction(args.prompt_fraction),
+        cost_aware_noise_probe_every=args.noise_probe_every,
     )
     peft_config = None
     if args.lora:
