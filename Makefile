@@ -96,7 +96,7 @@ QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime bench-noise \
 	bench-batch-shapes bench-profile profile bench-prompt bench-prompt-issue38 bench-prompt-predictability \
-	bench-response bench-prompt-count
+	bench-response bench-prompt-count bench-prompt-count-probe bench-noise-probe
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -160,6 +160,16 @@ bench-response: $(STAMP)
 # The prompt count's arms and the "auto" rule against GRPO and today's default (§10.2, issue 39; after bench-response)
 bench-prompt-count: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_count_matrix.py --runs
+
+# The same with the noise probe (§10.4): the arms the rerun used, in their own folder, then the tables
+PROBE_ARMS ?= grpo,cost_aware_0.5,cost_aware_0.5_pauto,cost_aware_compute_pauto,cost_aware_0.5_p0.25,cost_aware_0.5_p0.5,cost_aware_0.5_pauto_step55
+bench-prompt-count-probe: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_count_matrix.py --runs --arms $(PROBE_ARMS) \
+		--out outputs/bench/prompt_count_probe --tag prompt_count_probe
+
+# The noise probe's ρ and within-group share per cell, and item 1's step ratios predicted from them (§10.4)
+bench-noise-probe: $(STAMP)
+	$(BENCH_ENV) $(BIN)/python benchmarks/noise_probe_check.py --runs
 
 bench-noise: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py
