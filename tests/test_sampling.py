@@ -695,3 +695,12 @@ def test_normalize_weights_keep_the_given_centre(w, center):
     for bad in (math.nan, math.inf, -1.0):
         with pytest.raises(ValueError, match="centre"):
             normalize_weights(w, "recenter", center=bad)
+
+
+def test_self_normalize_with_a_subnormal_mean_stays_finite():
+    """A mean so small that w̄₀ / mean overflows (found by hypothesis: w = [2.2e-311]) still gives finite weights:
+    w / mean first (1 here), and the uniform centre where even that overflows (a vanishing mean of mixed signs)."""
+    w, _ = normalize_weights(torch.tensor([2.225073858507e-311], dtype=torch.float64), "self_normalize")
+    torch.testing.assert_close(w, torch.ones(1, dtype=torch.float64))
+    w, _ = normalize_weights(torch.tensor([1e3, -1e3 + 1e-310], dtype=torch.float64), "self_normalize", center=0.5)
+    assert torch.isfinite(w).all()

@@ -337,7 +337,8 @@ def normalize_weights(
     every row can be drawn), so that both keep E[mean w̃] = E[mean w] and the gradient's scale. Then
     w̃ ← max(w̃, floor) if floor is set and w̃ ← min(w̃, cap) if cap is set. The floor also applies when a recentred
     weight would be negative; the fraction of weights moved by the floor and by the cap is reported.
-    Returns (w̃, stats); non-finite inputs are treated as 0.
+    Returns (w̃, stats); non-finite inputs are treated as 0. "self_normalize" with a mean ≤ 0, or one so small against
+    the weights that w / mean is not finite, gives every weight w̄₀.
     """
     if method not in WEIGHT_NORMALIZATIONS:
         raise ValueError(f"weight normalisation must be one of {WEIGHT_NORMALIZATIONS}, got {method!r}")
@@ -350,7 +351,11 @@ def normalize_weights(
     if method == "recenter":
         w = w - mean + center
     elif method == "self_normalize":
-        w = w * (center / mean) if mean > 0 else torch.full_like(w, center)
+        # w / mean first: center / mean overflows for a subnormal mean (w / mean ≤ n for non-negative weights); a
+        # ratio that still is not finite (a mean that vanishes against weights of both signs) is as degenerate as a
+        # mean ≤ 0, and gets the uniform centre
+        scaled = w / mean * center if mean > 0 else None
+        w = scaled if scaled is not None and bool(torch.isfinite(scaled).all()) else torch.full_like(w, center)
     floored = torch.zeros_like(w, dtype=torch.bool)
     capped = torch.zeros_like(w, dtype=torch.bool)
     if floor is not None:
