@@ -200,13 +200,13 @@ class CostAwareGRPOTrainer(
         if not self.args.cost_aware:
             batch = super()._generate_and_score_completions(inputs)
             self._end_generation(start)
-            self._note_probe(self._maybe_probe(batch, self._batch_fraction))
+            self._maybe_probe(batch, self._batch_fraction)
             self._record_generation(batch)
             return batch
         with self._deferred_log_prob_passes():
             batch = super()._generate_and_score_completions(inputs)
         self._end_generation(start)
-        self._note_probe(self._maybe_probe(batch, self._batch_fraction))  # the noise probe (noise_probe.py)
+        self._maybe_probe(batch, self._batch_fraction)  # the noise probe (noise_probe.py)
         for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
             batch.pop(key, None)
         self._batch_plan, self._batch_rows = None, None

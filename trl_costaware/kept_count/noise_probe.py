@@ -125,11 +125,11 @@ class NoiseProbe:
         return min(max(self._probe_within.value / total, 0.0), 1.0)
 
     # ------------------------------------------------------------------ the probe
-    def _maybe_probe(self, batch, fraction: float) -> float:
-        """Probes this training generation batch if it is due (module docstring); returns the seconds it took (0 when
-        not due)."""
+    def _maybe_probe(self, batch, fraction: float):
+        """Probes this training generation batch if it is due (module docstring), its seconds counted in the step's
+        fixed cost (`_note_probe`)."""
         if not (self._probe_on and probe_due(self._generation_index, self._probe_every)):
-            return 0.0
+            return
         if any(key in batch for key in MULTIMODAL_KEYS):
             self._probe_on = False
             warnings.warn(
@@ -138,7 +138,7 @@ class NoiseProbe:
                 UserWarning,
                 stacklevel=2,
             )
-            return 0.0
+            return
         start = self._clock()
         device = self.accelerator.device
         # its own random state: a dropout mask drawn here must not shift the rollouts' sampling that follows, so a run
@@ -147,7 +147,7 @@ class NoiseProbe:
             terms = self._probe_terms(batch)
         if terms is not None:
             self._record_probe(*terms, fraction)
-        return self._clock() - start
+        self._note_probe(self._clock() - start)
 
     def _probe_terms(self, batch) -> tuple[float, float, float] | None:
         """(total, within, signal) of this rank's batch (module docstring), None when it holds fewer than two groups
@@ -176,9 +176,9 @@ class NoiseProbe:
                 self._probe_backward(model, batch, mask, rows, host)
                 half = buffers[0] if quarter < 2 else buffers[1]
                 sign = 1.0 / b if quarter in (0, 2) else -1.0 / (1.0 - b)
-                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-                torch._foreach_add_(half, [x.float() for x in grads])
-                torch._foreach_add_(buffers[2], [x.float() for x in grads], alpha=sign)
+                grads = [(p.grad if p.grad is not None else torch.zeros_like(p)).float() for p in params]
+                torch._foreach_add_(half, grads)
+                torch._foreach_add_(buffers[2], grads, alpha=sign)
                 for p in params:
                     p.grad = None
         finally:

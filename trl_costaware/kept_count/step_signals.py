@@ -238,7 +238,7 @@ class ComputeSignals:
         fixed, per_token = None, float(self.num_iterations)
         if args.cost_aware_cost_model == "time" and self._fixed_cost.value is not None:
             fixed, per_token = self._fixed_cost.value, self._token_cost.value
-        within = self._probe_within_share() if self._probe_ready() else None
+        within = self._probe_within_share()
         return ComputeSignal(
             rho=rho,
             available=self._noise_available or self._probe_on,
