@@ -124,11 +124,13 @@ def series(trainer, key):
     return [row[key] for row in trainer.state.log_history if key in row]
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
-def test_probe_terms_equal_per_row_gradients(tiny_model_path, dataset, tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type,tools", [("grpo", False), ("dapo", False), ("grpo", True)])
+def test_probe_terms_equal_per_row_gradients(tiny_model_path, dataset, tmp_path, loss_type, tools):
     """The probe's (total, within, signal) on a batch of 4 groups × 4 rows equal those computed from each row's own
     gradient of −A_i Σ_t log π(y_it)/Z_i (Z_i the row's tokens for grpo, 1 for dapo), summed by the same split: the
-    probe's micro-batching, trimming and normaliser are exact. Rows with A = 0 are skipped by the probe and add 0."""
+    probe's micro-batching, trimming and normaliser are exact. Rows with A = 0 are skipped by the probe and add 0.
+    With a tool mask hiding tokens 1–2 of every completion, the loss tokens after them still count: the micro-batch
+    is trimmed to its longest completion, not to its count of loss tokens."""
     trainer = trainer_for(tiny_model_path, dataset, tmp_path, loss_type=loss_type, **MEASURE)
     model = trainer.model
     gen = torch.Generator().manual_seed(3)
@@ -146,6 +148,12 @@ def test_probe_terms_equal_per_row_gradients(tiny_model_path, dataset, tmp_path,
         "completion_mask": completion_mask,
         "advantages": advantages,
     }
+    loss_mask = completion_mask
+    if tools:
+        tool_mask = torch.ones_like(completion_mask)
+        tool_mask[:, 1:3] = 0
+        batch["tool_mask"] = tool_mask
+        loss_mask = completion_mask * tool_mask
     state = trainer._probe_generator.get_state()
     total, within, signal = trainer._probe_terms(batch)
     labels, a, b = quarter_labels(4, 4, torch.Generator().set_state(state))
@@ -155,9 +163,9 @@ def test_probe_terms_equal_per_row_gradients(tiny_model_path, dataset, tmp_path,
         ids = torch.cat([prompt_ids[i], batch["completion_ids"][i]])[None]
         logits = model(input_ids=ids).logits[0, prompt_len - 1 : -1].float() / trainer.temperature
         logp = torch.log_softmax(logits, -1).gather(-1, ids[0, prompt_len:, None]).squeeze(-1)
-        per_row = (logp * completion_mask[i]).sum()
+        per_row = (logp * loss_mask[i]).sum()
         if loss_type == "grpo":
-            per_row = per_row / completion_mask[i].sum()
+            per_row = per_row / loss_mask[i].sum().clamp(min=1)
         grads = torch.autograd.grad(-advantages[i] * per_row, params, allow_unused=True)
         for s, gr in zip(sums[int(labels[i])], grads, strict=True):
             if gr is not None:

@@ -159,7 +159,11 @@ class NoiseProbe:
         labels, a, b = quarter_labels(n // g, g, self._probe_generator)
         mask = self._loss_mask(batch)
         host = torch.stack(
-            [batch["advantages"].detach().float(), batch["prompt_mask"].sum(-1).float(), mask.sum(-1).float()]
+            [
+                batch["advantages"].detach().float(),
+                batch["prompt_mask"].sum(-1).float(),
+                batch["completion_mask"].sum(-1).float(),  # the width (a tool mask can hide tokens before loss tokens)
+            ]
         ).cpu()
         informative = host[0] != 0
         model = self.accelerator.unwrap_model(self.model)
