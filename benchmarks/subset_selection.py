@@ -3,7 +3,7 @@
 Same problem family as benchmarks/cost_aware_sgd.py (weighted LAD, n = 1000, d = 20, G_i ~ LogNormal(0, 0.7),
 c_i ~ U[1, 10], one instance per seed). For each bias budget Γ (in units of Ḡ = (1/n) Σ G_i):
 
-1. `trl_costaware.prompts.subset.select_subset_greedy` drops the most expensive examples while (1/n) Σ_dropped G_i ≤ Γ;
+1. `trl_costaware.subset.greedy_subset` drops the most expensive examples while (1/n) Σ_dropped G_i ≤ Γ;
 2. cost-aware SGD (p_i ∝ G_i/√c_i on the kept set, 0 on the dropped ones, step x ← x − η ∇f_i/(n p_i)) runs on the
    kept set, with the theory's step η = κ ε_abs/S_K(p), S_K(p) = (1/n²) Σ_{i∈K} G_i²/p_i, ε_abs = ε (F(x₀) − F*),
    and κ tuned for every Γ as in benchmarks/cost_aware_sgd.py (tuning instances, seeds 1000+; the κ with the
@@ -45,7 +45,7 @@ from cost_aware_sgd import (
     tune_kappa,
 )
 
-from trl_costaware.prompts import subset
+from trl_costaware.subset import greedy_subset
 
 GAMMA_FRACTIONS = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2)
 QUICK_GAMMA_FRACTIONS = (0.0, 0.02, 0.1)
@@ -71,8 +71,7 @@ def run_family(label, kw, seeds, tune_seeds, replicates, fractions, kappas, targ
     cap = 60.0 * float(np.mean([pr.c.sum() for pr in tune_problems]))
     dists = {
         f"{frac:g}": [
-            kept_distribution(q.G, q.c, subset.select_subset_greedy(q.c, q.G, frac * q.G.mean()).kept)
-            for q in tune_problems
+            kept_distribution(q.G, q.c, greedy_subset(q.c, q.G, frac * q.G.mean()).kept) for q in tune_problems
         ]
         for frac in fractions
     }
@@ -86,8 +85,7 @@ def run_family(label, kw, seeds, tune_seeds, replicates, fractions, kappas, targ
     for k, pr in enumerate(problems):
         g_bar = pr.G.mean()
         for frac in fractions:
-            sel = subset.select_subset_greedy(pr.c, pr.G, frac * g_bar)
-            best_sel = subset.select_subset_greedy(pr.c, pr.G, frac * g_bar, order="best")
+            sel = greedy_subset(pr.c, pr.G, frac * g_bar)
             p = kept_distribution(pr.G, pr.c, sel.kept)
             kappa = best[f"{frac:g}"]
             runs.append(Run(k, p, step_size(kappa, target, pr, pr.G, p), pr.seed))
@@ -103,7 +101,6 @@ def run_family(label, kw, seeds, tune_seeds, replicates, fractions, kappas, targ
                     "pass_cost_ratio": sel.total_cost_after / sel.total_cost_before,
                     "cost_factor_ratio": sel.cost_factor_ratio,
                     "lp_gap": sel.cost_factor_after / sel.cost_factor_lower_bound - 1.0,
-                    "best_order_cost_factor_ratio": best_sel.cost_factor_ratio,
                     "mean_cost_per_step": float((p * pr.c).sum()),
                     "bias_floor": bias_floor(pr, sel.kept),
                 }
@@ -207,7 +204,6 @@ def summarize(meta: list[dict], fractions) -> list[dict]:
             "bias_bound_fraction",
             "pass_cost_ratio",
             "cost_factor_ratio",
-            "best_order_cost_factor_ratio",
             "lp_gap",
             "mean_cost_per_step",
             "bias_floor",
