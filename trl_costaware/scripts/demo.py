@@ -30,8 +30,10 @@ import os
 import warnings
 
 from trl_costaware.embedded.testbed import DEFAULT_STEPS, EVAL_EVERY, GRPO_RECIPE, HELDOUT_N
+from trl_costaware.tracking._extras import require
 from trl_costaware.tracking.compare.compute import GPU_VERL, Split, cpu_split, measured_update_share, token_weights
 
+PLOT_FEATURE = "the demo's figure"
 DEMO_SETTINGS = GRPO_RECIPE  # the recipe both arms use (kept under its old name for scripts that import it)
 ARMS = {"grpo": {"cost_aware": False}, "cost_aware_grpo": {"cost_aware": True}}
 TARGET_FRACTION = 0.8
@@ -106,7 +108,7 @@ def split_label(name: str, split: Split) -> str:
 def finish_accuracy_plot(fig, ax, target: float | None, path: str, title: str, legend_size=None) -> None:
     """Target line, axis labels, title and legend of a held-out accuracy vs policy tokens figure; saves and closes
     it (shared by the demo and benchmarks/token_efficiency.py)."""
-    import matplotlib.pyplot as plt
+    plt = require("matplotlib.pyplot", PLOT_FEATURE)
 
     style_accuracy_axes(ax, target, "policy-optimisation tokens (millions)", title, legend_size)
     fig.tight_layout()
@@ -130,10 +132,8 @@ def plot_curves(
 ) -> str:
     """Held-out accuracy against policy tokens and, per split in `splits` (the curves carry ``compute_<split>``,
     `add_compute`), against compute in GRPO steps: one panel each, side by side."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", PLOT_FEATURE).use("Agg")
+    plt = require("matplotlib.pyplot", PLOT_FEATURE)
 
     splits = splits or {}
     fig, axes = plt.subplots(1, 1 + len(splits), figsize=(6.2 * (1 + len(splits)), 4.4), squeeze=False)
@@ -173,6 +173,7 @@ def run_demo(
     `CostAwareGRPOConfig` fields for both arms (tests use it to shrink the run)."""
     from trl_costaware.embedded.testbed import get_testbed, train_run
 
+    require("matplotlib", PLOT_FEATURE)  # before training, not after it
     steps = get_testbed(testbed).steps if steps is None else steps
     os.makedirs(output_dir, exist_ok=True)
     results = {}

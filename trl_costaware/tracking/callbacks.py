@@ -33,6 +33,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ._extras import require
 from .names import BASELINE_ARM, COST_AWARE_ARM, METRICS_FILE, RECORD_VERSION, RUN_FILE  # noqa: F401
 
 TOKEN_AXIS = "cost_aware/policy_tokens"
@@ -66,14 +67,12 @@ def validate_report_to(args) -> None:
     """
     if not wandb_requested(args):
         return
-    try:
-        import wandb  # noqa: F401
-    except ImportError as err:
-        raise ImportError(
-            "report_to includes 'wandb' but the wandb package cannot be imported "
-            f"({err}). Install it with `pip install wandb`, or remove 'wandb' from report_to "
-            "(the local record <output_dir>/cost_aware_metrics.jsonl is written either way)."
-        ) from err
+    require(
+        "wandb",
+        "report_to including 'wandb'",
+        "pip install wandb, or remove 'wandb' from report_to (the local record "
+        "<output_dir>/cost_aware_metrics.jsonl is written either way)",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- run identity
@@ -352,9 +351,7 @@ class WandbTokenAxisCallback(TrainerCallback):
 
     @staticmethod
     def _wandb():
-        import wandb
-
-        return wandb
+        return require("wandb", "the W&B token axis (report_to including 'wandb')")
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:

@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
+from .._extras import require
 from .compute import SPLITS, parse_split
-from .plot import plot
+from .plot import PLOT_ALTERNATIVE, PLOT_FEATURE, plot
 from .readers import CompareError, load_runs
 from .report import format_report
 from .targets import DEFAULT_FRACTIONS, DEFAULT_METRIC, DEFAULT_SMOOTH, compare_runs
@@ -87,6 +88,11 @@ def build_parser(prog: str = "trl-costaware compare") -> argparse.ArgumentParser
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if not args.no_plot:  # before reading the runs, which can take minutes
+            try:
+                require("matplotlib", PLOT_FEATURE, PLOT_ALTERNATIVE)
+            except ImportError as err:
+                raise CompareError(str(err)) from err
         fractions = tuple(float(f) for f in args.fractions.split(",") if f.strip())
         if not fractions or any(not 0 < f <= 1 for f in fractions):
             raise CompareError(f"--fractions {args.fractions!r}: need numbers in (0, 1]")

@@ -7,10 +7,13 @@ import os
 
 import numpy as np
 
+from .._extras import require
 from .noise import NO_CLAIM
 from .report import NOT_REACHED, fmt_pct, target_name
 from .targets import Result
 
+PLOT_FEATURE = "trl-costaware compare's plot"
+PLOT_ALTERNATIVE = "pass --no-plot"
 X_LABELS = {
     "cost_aware/policy_tokens": "policy-optimisation tokens",
     "cost_aware/policy_tokens_padded": "policy-optimisation tokens (with padding)",
@@ -36,6 +39,7 @@ def figure(result: Result, show_runs: bool = True, title: str | None = None):
     compute split (`--compute-split`, default verl's generation 55%), a second panel draws the same curves against
     compute in baseline steps at that split, which counts the generation every step pays; policy tokens alone
     overstate what a kept fraction saves. Uses the Agg canvas only."""
+    require("matplotlib", PLOT_FEATURE, PLOT_ALTERNATIVE)
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

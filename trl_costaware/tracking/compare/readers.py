@@ -18,6 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from .._extras import require
 from ..names import BASELINE_ARM, COST_AWARE_ARM, METRICS_FILE, RUN_FILE
 
 X_ALIASES = {
@@ -155,9 +156,9 @@ def _wandb_api(arg: str):
             "online; pass the run's output dir"
         )
     try:
-        import wandb
+        wandb = require("wandb", "reading W&B runs", "pass the run's output dir")
     except ImportError as err:
-        raise CompareError(f"{arg}: reading W&B runs needs the wandb package (`pip install wandb`)") from err
+        raise CompareError(f"{arg}: {err}") from err
     return wandb.Api(timeout=20)
 
 
