@@ -18,6 +18,8 @@ JOBS ?= 2
 PYTEST_ARGS ?=
 # The ZeRO-offload test compiles DeepSpeed's CPU Adam (~4 min on a fresh machine): `make test-all` includes it.
 TEST_MARKERS ?= not offload and not mc_full
+# The package's tests and the tests of the benchmark scripts.
+TEST_PATHS ?= tests benchmarks/tests
 RUN_ENV := OMP_NUM_THREADS=$(THREADS) MKL_NUM_THREADS=$(THREADS) TOKENIZERS_PARALLELISM=false
 TEST_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
 	TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
@@ -33,14 +35,14 @@ $(BIN)/python:
 
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install $(TORCH_SPEC)
-	$(BIN)/python -m pip install -e '.[dev,deepspeed,math]'
+	$(BIN)/python -m pip install -e '.[dev,deepspeed,math,tracking,plots]'
 	touch $@
 
 test: $(STAMP)
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(JOBS) --dist loadgroup -m "$(TEST_MARKERS)" $(PYTEST_ARGS) tests
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(JOBS) --dist loadgroup -m "$(TEST_MARKERS)" $(PYTEST_ARGS) $(TEST_PATHS)
 
 test-all: $(STAMP)
-	$(TEST_ENV) $(BIN)/python -m pytest -n $(JOBS) --dist loadgroup $(PYTEST_ARGS) tests
+	$(TEST_ENV) $(BIN)/python -m pytest -n $(JOBS) --dist loadgroup $(PYTEST_ARGS) $(TEST_PATHS)
 
 # On a GPU machine: the bf16 runs and the CUDA Monte Carlo check of tests/test_gpu.py (skipped without CUDA). PyPI's
 # default torch wheel for Linux x86-64 is a CUDA build, so `make test-gpu` sets it up where PyPI is reachable; with a
