@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ CHAT_TEMPLATE = (
 
 def _byte_alphabet() -> list[str]:
     """GPT-2's byte-to-unicode table: the 256 one-character tokens of a byte-level BPE vocabulary."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -36,7 +35,7 @@ def _byte_alphabet() -> list[str]:
             bs.append(b)
             cs.append(256 + n)
             n += 1
-    return [chr(c) for _, c in sorted(zip(bs, cs))]
+    return [chr(c) for _, c in sorted(zip(bs, cs, strict=True))]
 
 
 def write_tiny_gguf(path, seed: int = 0) -> dict[str, np.ndarray]:

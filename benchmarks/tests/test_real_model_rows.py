@@ -1,0 +1,155 @@
+"""`benchmarks/real_model_rows.py`: its pure functions against closed forms (J ratios, the noise split, the matched
+tokens) and its command line (no model)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import real_model_rows as rmr
+
+
+def test_j_value_and_optimum():
+    rng = np.random.default_rng(0)
+    g, c = rng.uniform(0.1, 3.0, 20), rng.uniform(5, 200, 20)
+    u = np.full(20, 1 / 20)
+    assert rmr.j_value(g, u, c) == pytest.approx(20 * np.sum(g**2) * np.mean(c))
+    p_star = rmr.sampling_p(g, c)
+    assert rmr.j_value(g, p_star, c) == pytest.approx(rmr.j_optimal(g, c))
+    assert rmr.j_optimal(g, c) == pytest.approx(np.sum(g * np.sqrt(c)) ** 2)
+    for _ in range(20):  # p* is the minimum
+        p = rng.dirichlet(np.ones(20))
+        assert rmr.j_value(g, p, c) >= rmr.j_optimal(g, c) * (1 - 1e-12)
+    # scale-free in g and c
+    assert rmr.j_value(3 * g, p_star, 7 * c) / rmr.j_optimal(3 * g, 7 * c) == pytest.approx(1.0)
+    # a row with gradient but no probability: infinite
+    assert rmr.j_value([1.0, 1.0], [1.0, 0.0], [1.0, 1.0]) == np.inf
+    # equal costs: p ∝ |A| on rows whose g = |A| is optimal
+    a = rng.uniform(0.1, 2.0, 10)
+    assert rmr.j_value(a, rmr.sampling_p(a, np.ones(10)), np.ones(10)) == pytest.approx(rmr.j_optimal(a, np.ones(10)))
+
+
+def _direct_split(x, k, gen):
+    """The split computed from explicit vectors x (K·G, d), grouped consecutively."""
+    x = x.reshape(k, gen, -1)
+    means = x.mean(1)
+    grand = means.mean(0)
+    within = np.sum((x - means[:, None]) ** 2) / (k * (gen - 1)) / (k * gen)
+    total = np.sum((means - grand) ** 2) / (k - 1) / k
+    return within, total, np.sum(grand**2) - total
+
+
+def _from_sums(x, k, gen):
+    rows = x.reshape(k, gen, -1)
+    s = rows.sum(1)
+    return rmr.noise_split(float(np.sum(x**2)), np.sum(s**2, axis=1), float(np.sum(s.sum(0) ** 2)), k, gen)
+
+
+def test_noise_split_matches_explicit_vectors():
+    rng = np.random.default_rng(1)
+    k, gen, d = 5, 4, 7
+    x = rng.normal(size=(k * gen, d)) + rng.normal(size=(k, 1, d)).repeat(gen, 1).reshape(k * gen, d)
+    within, total, signal = _direct_split(x, k, gen)
+    got = _from_sums(x, k, gen)
+    assert got["within"] == pytest.approx(within)
+    assert got["total"] == pytest.approx(total)
+    assert got["signal"] == pytest.approx(signal)
+    assert got["between"] == pytest.approx(total - within)
+    assert got["within_share"] == pytest.approx(within / total)
+    assert got["rho"] == pytest.approx(total / signal)
+
+
+def test_noise_split_limits():
+    k, gen = 4, 3
+    # identical rows within each group: no within-group noise
+    x = np.repeat(np.arange(k * 2, dtype=float).reshape(k, 1, 2), gen, axis=1).reshape(k * gen, 2)
+    assert _from_sums(x, k, gen)["within"] == pytest.approx(0.0, abs=1e-12)
+    with pytest.raises(ValueError):
+        rmr.noise_split(1.0, [1.0], 1.0, 1, 3)
+
+
+def test_noise_split_is_unbiased():
+    """E[within] = σ_w² d/(KG), E[total] = (σ_b² + σ_w²/G) d / K, E[signal] = ‖μ‖² (two-stage Gaussian draws)."""
+    rng = np.random.default_rng(2)
+    k, gen, d, sb, sw = 4, 8, 3, 0.7, 1.3
+    mu = np.array([0.5, -0.2, 1.0])
+    acc = np.zeros(3)
+    n = 20000
+    for _ in range(n):
+        prompt = mu + sb * rng.normal(size=(k, 1, d))
+        x = (prompt + sw * rng.normal(size=(k, gen, d))).reshape(k * gen, d)
+        s = _from_sums(x, k, gen)
+        acc += [s["within"], s["total"], s["signal"]]
+    acc /= n
+    assert acc[0] == pytest.approx(sw**2 * d / (k * gen), rel=0.02)
+    assert acc[1] == pytest.approx((sb**2 + sw**2 / gen) * d / k, rel=0.03)
+    assert acc[2] == pytest.approx(float(mu @ mu), abs=0.03)
+
+
+def test_matched_tokens_closed_form():
+    rng = np.random.default_rng(3)
+    n = 30
+    g, c = rng.uniform(0.8, 1.2, n), rng.uniform(40, 60, n)
+    # uniform p matches itself at kept 1/2
+    assert rmr.matched_tokens(g, c, np.full(n, 1 / n)) == pytest.approx(0.5, rel=1e-8)
+    # without capping (λ p_i < 1): Σ (1/(λ p_i) − 1) g_i² = Σ g_i² gives λ = Σ(g²/p) / (2 Σ g²), tokens λ Σ p c / Σ c
+    p = rmr.sampling_p(g, c)
+    lam = np.sum(g**2 / p) / (2 * np.sum(g**2))
+    assert np.all(lam * p < 1)
+    expect = lam * np.sum(p * c) / np.sum(c)
+    assert rmr.matched_tokens(g, c, p) == pytest.approx(expect, rel=1e-8)
+    assert expect == pytest.approx(rmr.j_value(g, p, c) / (2 * np.sum(g**2) * np.sum(c)))
+    # the oracle needs fewest tokens among these designs
+    for _ in range(10):
+        q = rng.dirichlet(np.ones(n))
+        assert rmr.matched_tokens(g, c, q) >= rmr.matched_tokens(g, c, p) - 1e-9
+
+
+def test_matched_tokens_with_capping():
+    """A design that puts most mass on one row: that row is kept for sure (π = 1), the rest carry the variance.
+    g = 1, c = 1, p = (0.97, 0.01, 0.01, 0.01): target Σ g² = 4 = 3 (100/λ − 1) gives λ = 300/7, π = (1, 3/7, 3/7,
+    3/7), tokens (1 + 9/7)/4 = 4/7."""
+    g, c = np.ones(4), np.ones(4)
+    p = np.array([0.97, 0.01, 0.01, 0.01])
+    assert rmr.matched_tokens(g, c, p) == pytest.approx(4 / 7, rel=1e-8)
+    assert np.isnan(rmr.matched_tokens(np.zeros(2), np.ones(2), np.full(2, 0.5)))
+    assert rmr.matched_tokens([1.0, 1.0], [1.0, 1.0], [1.0, 0.0]) == 1.0  # a row with gradient is never drawn
+
+
+def test_batch_figures_on_a_toy_record():
+    """Both families from one record: grpo divides by L; A = 0 rows are left out; the oracle's J ratio is 1."""
+    rows = {
+        "adv": [1.0, -1.0, 0.0, 0.0, 0.5, -0.5, 2.0, -2.0],
+        "length": [4, 16, 8, 8, 2, 32, 10, 5],
+        "cost": [10, 22, 14, 14, 8, 38, 16, 11],
+        "s_norm": [2.0, 4.0, 0.0, 0.0, 1.0, 6.0, 3.0, 2.5],
+    }
+    noise = {"row_sq": 10.0, "group_sq": [1.0, 2.0], "total_sq": 0.5}
+    for lt in ("grpo", "dapo"):
+        f = rmr.batch_figures(rows, lt, 2, 4, noise)
+        assert f["informative"] == 6
+        assert f["J/J* oracle"] == pytest.approx(1.0)
+        assert f["J/Ju uniform"] == pytest.approx(1.0)
+        assert f["matched tokens uniform"] == pytest.approx(0.5, rel=1e-8)
+        assert f["J/J* uniform"] >= f["J/J* oracle"]
+    la = rmr.proxy_scores([1.0, 2.0], [4.0, 9.0], "grpo")
+    assert la["loss_aware γ=0.5"] == pytest.approx([1.0 / 2.0, 2.0 / 3.0])
+    assert la["loss_aware γ=1"] == pytest.approx([1.0, 2.0])
+    la = rmr.proxy_scores([1.0, 2.0], [4.0, 9.0], "dapo")
+    assert la["loss_aware γ=0.5"] == pytest.approx([2.0, 6.0])
+
+
+def test_interval():
+    iv = rmr.interval([1.0, 3.0, float("nan"), 2.0])
+    assert iv == {"mean": 2.0, "lo": 1.0, "hi": 3.0, "n": 3}
+    assert rmr.interval([])["n"] == 0
+
+
+def test_help_runs():
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "real_model_rows.py")
+    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    assert "matched tokens" in out.stdout and "--quick" in out.stdout
