@@ -378,7 +378,7 @@ def per_row_scores(model, batch: dict) -> dict:
             logp = torch.log_softmax(logits, -1).gather(-1, c_ids.unsqueeze(-1)).sum()
             grads = torch.autograd.grad(logp, params, allow_unused=True)
             flat = torch.cat(
-                [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params)]
+                [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params, strict=True)]
             )
             del grads
             s_norm[i] = float(torch.linalg.vector_norm(flat, dtype=torch.float64))
