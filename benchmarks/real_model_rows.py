@@ -31,7 +31,8 @@ Figures, per loss family and batch, over its n informative rows (c_i = prompt + 
   (G̃_i = |A_i| L_i^γ for dapo, |A_i| L_i^(γ−1) for grpo: `trl_costaware.rows.proxy.loss_aware_proxy`).
 - J(p) = (Σ_i G_i²/p_i)(Σ_i p_i c_i), the variance × cost of the Horvitz–Thompson row sample, for p ∝ G̃_i/√c_i
   with G̃ = 1 (uniform), |A_i| (the paper's |A|/√c), loss_aware γ, and the oracle p* ∝ G_i/√c_i, where J(p*) =
-  (Σ_i G_i √c_i)² is the minimum. Reported: J(p)/J(p*) and J(p)/J(uniform).
+  (Σ_i G_i √c_i)² is the minimum. Reported: J(p)/J(p*), J(p)/J(uniform), and J(p)/J(|A|/√c) (paired within each
+  batch: below 1 in every batch means the proxy beats the paper's choice on every batch measured).
 - matched tokens: the expected kept tokens, as a fraction of the informative rows' tokens Σ c_i, at which a Poisson
   row sample with inclusion probabilities π_i = min(1, λ p_i) has the Horvitz–Thompson variance of uniform
   subsampling at kept 1/2 (π_i = 1/2 for every informative row). The HT variance of a Poisson design is exact for
@@ -253,11 +254,13 @@ def batch_figures(rows: dict, loss_type: str, groups: int, generations: int, noi
         out[f"pearson {name}"] = pearson(x, g)
         out[f"spearman {name}"] = spearman(x, g)
     j_star, j_u = j_optimal(g, c), j_value(g, np.full(len(g), 1.0 / len(g)), c)
+    j_adv = j_value(g, sampling_p(absa, c), c)
     for name, score in {**proxies, "oracle": g}.items():
         p = np.full(len(g), 1.0 / len(g)) if name == "uniform" else sampling_p(score, c)
         j = j_value(g, p, c)
         out[f"J/J* {name}"] = j / j_star
         out[f"J/Ju {name}"] = j / j_u
+        out[f"J/J|A| {name}"] = j / j_adv
         out[f"matched tokens {name}"] = matched_tokens(g, c, p)
     split = noise_split(noise["row_sq"], noise["group_sq"], noise["total_sq"], groups, generations)
     out["noise within share"] = split["within_share"]
@@ -509,6 +512,7 @@ TABLE_METRICS = (
     + [f"spearman {x}" for x in ("|A|", "L") + tuple(f"loss_aware γ={g:g}" for g in GAMMAS)]
     + [f"J/J* {p}" for p in PROXIES if p != "oracle"]
     + [f"J/Ju {p}" for p in PROXIES if p != "uniform"]
+    + [f"J/J|A| {p}" for p in PROXIES if p not in ("uniform", "advantage")]
     + [f"matched tokens {p}" for p in PROXIES]
     + ["noise within share", "noise rho"]
 )
@@ -581,10 +585,13 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="testbeds only, one batch of 4 prompts each")
     p.add_argument("--cache", default=CACHE, help="rollouts and per-batch measurements (resumable)")
-    p.add_argument("--tag", default=None, help="results file suffix (default real_model_rows or _quick)")
+    p.add_argument("--tag", default=None, help="results file name (default real_model_rows; quick: <cache>/quick)")
     p.add_argument("--report", action="store_true", help="rewrite the .md from the saved .json")
     args = p.parse_args(argv)
-    base = os.path.join(RESULTS, args.tag or ("real_model_rows_quick" if args.quick else "real_model_rows"))
+    # --quick is a smoke run: its files go beside the cache, not into benchmarks/results.
+    base = os.path.join(
+        args.cache if args.quick else RESULTS, args.tag or ("quick" if args.quick else "real_model_rows")
+    )
     if args.report:
         with open(base + ".json", encoding="utf-8") as fh:
             res = json.load(fh)
@@ -611,7 +618,7 @@ def main(argv=None):
         res["models"][name] = run_model(name, args)
     res["seconds"] = time.perf_counter() - t0
     res["summary"] = summarise(res)
-    os.makedirs(RESULTS, exist_ok=True)
+    os.makedirs(os.path.dirname(base), exist_ok=True)
     with open(base + ".json", "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1)
     md = report(res)

@@ -153,3 +153,31 @@ def test_help_runs():
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0
     assert "matched tokens" in out.stdout and "--quick" in out.stdout
+
+
+@pytest.mark.slow
+def test_quick_run_on_the_default_testbed(tmp_path):
+    """--quick end to end on the default testbed (one batch of 4 prompts): a report with both loss families and both
+    fine-tuning modes, the oracle's J ratio 1, uniform's matched tokens 1/2; a rerun reads the cache."""
+    import json
+
+    rmr.main(["--quick", "--models", "default", "--cache", str(tmp_path)])
+    with open(tmp_path / "quick.json", encoding="utf-8") as fh:
+        res = json.load(fh)
+    summary = res["summary"]["default"]
+    for mode in rmr.MODES:
+        for lt in rmr.LOSS_FAMILIES:
+            s = summary[mode][lt]
+            assert s["J/J* oracle"]["mean"] == pytest.approx(1.0)
+            assert s["matched tokens uniform"]["mean"] == pytest.approx(0.5, rel=1e-6)
+            assert s["informative"]["mean"] > 0
+    md = (tmp_path / "quick.md").read_text()
+    assert "loss family grpo" in md and "loss family dapo" in md and "default testbed lora" in md
+    assert sorted(p.name for p in (tmp_path / "quick" / "default").glob("*_0.*")) == [
+        "rollouts_0.pt",
+        "scores_full_0.json",
+        "scores_lora_0.json",
+    ]
+    rmr.main(["--quick", "--models", "default", "--cache", str(tmp_path)])  # from the cache
+    with open(tmp_path / "quick.json", encoding="utf-8") as fh:
+        assert json.load(fh)["summary"] == res["summary"]
