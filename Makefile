@@ -97,7 +97,7 @@ BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime bench-noise \
-	bench-batch-shapes bench-profile profile bench-prompt bench-prompt-issue38 bench-prompt-predictability \
+	bench-batch-shapes bench-profile profile \
 	bench-response bench-prompt-count bench-prompt-count-probe bench-noise-probe
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
@@ -128,28 +128,6 @@ bench-token-efficiency: $(STAMP)
 REGIME_ARGS ?=
 bench-regime: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py $(if $(QUICK),--smoke,) $(REGIME_ARGS)
-
-# Does choosing prompts before generation (the prompt stage, issue 34) make a multi-epoch run cheaper than GRPO, today's
-# default and a GRESO-style skip? (BENCHMARKS.md §9) The regime matrix's multi-epoch cells (a fixed pool revisited >= 10
-# times, chosen by GRPO's zero-variance token share), the arms below, 3 seeds; then targets at 50/80/95% of GRPO's gain.
-PROMPT_ARMS ?= grpo,both,greso,prompt,cost_aware_0.5,both_half
-bench-prompt: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py --cells long_epochs,default_epochs --arms $(PROMPT_ARMS) \
-		--seeds 3 --out outputs/bench/prompt_matrix --tag prompt_matrix_runs
-	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_analysis.py --root outputs/bench/prompt_matrix
-
-# Issue 38's rerun of §9's cell with the reworked prompt stage (balanced epochs, value sqrt(1 - z), fitted prior) and a
-# faithful GRESO arm (BENCHMARKS.md §9.1; `make bench-prompt` above is issue 34's run and writes prompt_matrix.*).
-bench-prompt-issue38: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py --cells long_epochs --arms grpo,cost_aware_0.5,greso,prompt,both \
-		--seeds 3 --seed-major --out outputs/bench/prompt_issue38 --tag prompt_issue38_runs
-	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_analysis.py --root outputs/bench/prompt_issue38 --cells long_epochs \
-		--out benchmarks/results/prompt_matrix_issue38
-	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_predictability.py --out benchmarks/results/prompt_predictability_issue38
-
-# How well does a prompt's reward history predict a zero-variance group, and what could a draw built on it save? (§9)
-bench-prompt-predictability: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_predictability.py
 
 # The "compute" rule's premises (BENCHMARKS.md §8): the gradient noise scale at each regime-matrix cell's start (lr 0)
 # against the steps' measured response to halving the batch (needs the matrix's runs), and the noise a row sample

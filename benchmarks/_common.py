@@ -108,16 +108,7 @@ ARMS: dict[str, dict] = {
         "trainer": "cost_aware",
         "settings": {"cost_aware_kept_fraction": "compute", "cost_aware_cost_model": "tokens", **NONE},
     },
-    # Issue 34: cost-aware before generation (the prompt stage), alone and with the row stage; a GRESO-style biased
-    # skip (`GresoTrainer`); both stages with half the prompts per step (the saving taken as cheaper steps).
-    "prompt": {"trainer": "grpo", "settings": {"cost_aware_prompt_sampling": True}},
-    "both": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "cost_aware_prompt_sampling": True}},
-    "greso": {"trainer": "greso", "settings": {"cost_aware_prompt_sampling": True}},
-    "both_half": {
-        "trainer": "cost_aware",
-        "settings": {**HALF, **NONE, "cost_aware_prompt_sampling": True, "per_device_train_batch_size": 512},
-    },
-    # the controls of both_half: the same halved prompt count without the prompt stage (rows only), and GRPO's
+    # the row stage at half the prompts per step
     "cost_aware_0.5_half": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "per_device_train_batch_size": 512}},
     # Issue 39: what each step generates (`cost_aware_prompt_fraction`: a uniform share of each generation batch's
     # prompts, relative to whatever batch the cell sets, so these arms keep their meaning on the variance cells), for
@@ -174,7 +165,6 @@ def generation_token_cost(testbed: str, generation_share: float) -> float:
 TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
     "long": {  # 8 prompts x 8 = 64 rollouts per step
         "grpo_half": {"per_device_train_batch_size": 8},
-        "both_half": {"per_device_train_batch_size": 8},
         "cost_aware_0.5_half": {"per_device_train_batch_size": 8},
     },
 }
@@ -182,24 +172,6 @@ for _tb in GRPO_TOKENS_PER_STEP:
     for _arm, _share in (("cost_aware_compute_gen55", 0.55), ("cost_aware_compute_gen77", 0.77)):
         _price = round(generation_token_cost(_tb, _share), 4)
         TESTBED_ARM_SETTINGS.setdefault(_tb, {})[_arm] = {"cost_aware_generation_token_cost": _price}
-
-
-# GRESO (arXiv 2506.02177; issue 38's faithful arm, `prompts.sampling.greso_keep_probability`): walking the pool in
-# shuffled order, a prompt whose last n visits were all zero-variance is skipped with probability 1 − max(pⁿ, 0.01),
-# p separate for easy (all-correct) and hard (all-wrong) prompts, each starting at 0.5 and moving 0.01 per batch toward
-# a target share of such prompts (`prompts.history.GRESO_TARGETS`: 12.5% each); no weights (biased by design).
-
-
-def greso_trainer():
-    """`CostAwareGRPOTrainer` whose prompt stage runs the GRESO rule (`prompts.history.RULES`)."""
-    from trl_costaware import CostAwareGRPOTrainer
-
-    class GresoTrainer(CostAwareGRPOTrainer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self._prompt_history.rule = "greso"
-
-    return GresoTrainer
 
 
 def trainer_for(kind: str):
@@ -210,15 +182,13 @@ def trainer_for(kind: str):
         return CostAwareGRPOTrainer, {"cost_aware": False}
     if kind == "cost_aware":
         return CostAwareGRPOTrainer, {"cost_aware": True}
-    if kind == "greso":
-        return greso_trainer(), {"cost_aware": False, "cost_aware_prompt_sampling": True}
     from baselines import MaxVarianceTrainer, ZeroAdvantageFilterTrainer
 
     if kind == "zero_adv_filter":
         return ZeroAdvantageFilterTrainer, {"cost_aware": True}
     if kind == "max_variance":
         return MaxVarianceTrainer, {"cost_aware": True}
-    raise ValueError(f"trainer kind must be grpo, cost_aware, greso, zero_adv_filter or max_variance, got {kind!r}")
+    raise ValueError(f"trainer kind must be grpo, cost_aware, zero_adv_filter or max_variance, got {kind!r}")
 
 
 def run_arm(

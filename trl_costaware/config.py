@@ -16,7 +16,6 @@ from .core.sampling import COST_KINDS, DRAW_SCHEMES, PROXIES, WEIGHT_NORMALIZATI
 from .kept_count.budget import RULES, KeptFraction
 from .kept_count.compute_budget import COST_MODELS
 from .kept_count.prompt_count import PromptFraction, check_prompt_fields
-from .prompts.sampling import VALUE_SCALES
 from .rows.layout import LAYOUTS, full_micro_batch_layout, layout_of, sampling_floor_warning
 from .rows.plan import check_loss_type
 
@@ -184,22 +183,6 @@ class CostAwareGRPOConfig(GRPOConfig):
             gradient_accumulation_steps` of them per optimizer step, with the same generation batch
             (`rows/layout.py`); it needs a fixed kept fraction and then runs `"even"`. `"auto"`: `"packed"`, or
             `"even"` with TRL's entropy bonus or a router aux loss (which packing would re-weight).
-        cost_aware_prompt_sampling (`bool`, defaults to `False`):
-            Cost-aware before generation (docs/prompt_sampling.md): each generation batch's K prompts are drawn from
-            the P prompts of the train dataset with probability q_j ∝ v̂_j / √ĉ_j mixed with uniform, v̂_j the
-            prompt's expected Σ|A| from a Beta posterior on its pass rate (built from the rewards TRL gathers),
-            ĉ_j its expected tokens; each drawn prompt's rows carry the weight K / (P π_j), so the policy gradient
-            stays unbiased for the whole data set's. With `cost_aware=True` the row sampler then runs on the
-            weighted rows (both stages); with `False` every generated row is trained on (prompts only). Needs a
-            map-style `datasets.Dataset` (an `IterableDataset` is refused), `scale_rewards` "group" or "none", and
-            `multi_objective_aggregation="sum_then_normalize"`. TRL's epoch counter still counts `len(dataset)`
-            prompts per epoch, but an epoch no longer visits every prompt once.
-        cost_aware_prompt_smoothing (`float`, defaults to `0.1`):
-            The uniform share α ∈ (0, 1] of the prompt distribution: every prompt keeps probability ≥ α/P, so no
-            prompt weight exceeds 1/α.
-        cost_aware_prompt_forgetting (`float`, defaults to `0.5`):
-            γ ∈ [0, 1]: at each visit the posterior's pseudo-counts above the prior are multiplied by γ before the
-            visit's counts are added (1 never forgets, 0 keeps the last visit only).
         cost_aware_prompt_fraction (`float` or `"auto"`, defaults to `1.0`):
             The share φ of each generation batch's prompts that are generated for (docs/prompt_count.md), with
             `cost_aware=True` or `False`: before generation each rank keeps k of its K_r groups (the same k on every
@@ -345,30 +328,6 @@ class CostAwareGRPOConfig(GRPOConfig):
             "choices": list(LAYOUTS),
         },
     )
-    cost_aware_prompt_sampling: bool = field(
-        default=False,
-        metadata={
-            "help": "Cost-aware before generation: draw each generation batch's prompts from the train dataset with "
-            "probability proportional to predicted value / sqrt(predicted tokens), from each prompt's own reward "
-            "history (a Beta posterior on its pass rate), mixed with uniform, and weight each drawn prompt's rows "
-            "so that the policy gradient stays unbiased for the whole data set's (docs/prompt_sampling.md). Works "
-            "with cost_aware=True (both stages) or False (prompts only). Needs a map-style datasets.Dataset."
-        },
-    )
-    cost_aware_prompt_smoothing: float = field(
-        default=0.1,
-        metadata={
-            "help": "With cost_aware_prompt_sampling: the uniform share alpha in (0, 1] of the prompt distribution "
-            "(every prompt keeps probability >= alpha / P, so no weight exceeds 1 / alpha; 1 draws uniformly)."
-        },
-    )
-    cost_aware_prompt_forgetting: float = field(
-        default=0.5,
-        metadata={
-            "help": "With cost_aware_prompt_sampling: how much of a prompt's reward history each new visit keeps, "
-            "in [0, 1] (1 never forgets; 0 keeps the last visit only), so a solved prompt can come back."
-        },
-    )
 
     cost_aware_prompt_fraction: PromptFraction = field(
         default=1.0,
@@ -479,37 +438,12 @@ class CostAwareGRPOConfig(GRPOConfig):
         if cap is not None and not (isinstance(cap, int | float) and not isinstance(cap, bool) and 0.0 < cap):
             raise ValueError(f"cost_aware_weight_cap must be a number > 0 or None, got {cap!r}")
 
-        self._check_prompt_sampling()
         self.cost_aware_prompt_fraction = check_prompt_fields(self)
         every = self.cost_aware_noise_probe_every
         if isinstance(every, bool) or not isinstance(every, int) or every < 0:
             raise ValueError(
                 f"cost_aware_noise_probe_every must be an integer >= 0 (0: the noise probe is off), got {every!r}"
             )
-
-    def _check_prompt_sampling(self):
-        smoothing, forgetting = self.cost_aware_prompt_smoothing, self.cost_aware_prompt_forgetting
-        if not (isinstance(smoothing, int | float) and not isinstance(smoothing, bool) and 0.0 < smoothing <= 1.0):
-            raise ValueError(
-                f"cost_aware_prompt_smoothing must be a number in (0, 1] (0 would leave prompts undrawable and the "
-                f"estimate biased), got {smoothing!r}"
-            )
-        if not (isinstance(forgetting, int | float) and not isinstance(forgetting, bool) and 0.0 <= forgetting <= 1.0):
-            raise ValueError(f"cost_aware_prompt_forgetting must be a number in [0, 1], got {forgetting!r}")
-        if not self.cost_aware_prompt_sampling:
-            return
-        if self.scale_rewards not in VALUE_SCALES:
-            raise ValueError(
-                f"cost_aware_prompt_sampling=True needs scale_rewards in {VALUE_SCALES}, got {self.scale_rewards!r}: "
-                "a batch-level reward scale changes with the drawn prompts, so the weighted gradient would be biased."
-            )
-        if self.multi_objective_aggregation != "sum_then_normalize":
-            raise ValueError(
-                "cost_aware_prompt_sampling=True needs multi_objective_aggregation='sum_then_normalize', got "
-                f"{self.multi_objective_aggregation!r}: its batch-level normalisation changes with the drawn prompts."
-            )
-        if not self.cost_aware:
-            check_loss_type(self.loss_type)  # the prompt weights' token correction is derived per loss type
 
     def _apply_full_micro_batch_layout(self):
         fraction = self.cost_aware_kept_fraction

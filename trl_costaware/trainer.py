@@ -34,7 +34,6 @@ from .core.sampling import sequence_costs, stream_generator
 from .kept_count.noise_probe import NoiseProbe
 from .kept_count.prompt_rule import PromptCount
 from .kept_count.step_signals import ComputeSignals
-from .prompts.stage import PromptStage
 from .rows.batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
 from .rows.deferred import DEFERRED_KEYS, DeferredLogProbPasses
 from .rows.layout import kept_multiple, micro_token_factor
@@ -89,7 +88,7 @@ def host_floats(values: list) -> list[float]:
 
 
 class CostAwareGRPOTrainer(
-    PromptStage, DeferredLogProbPasses, PackedLayout, PromptCount, NoiseProbe, ComputeSignals, GRPOTrainer
+    DeferredLogProbPasses, PackedLayout, PromptCount, NoiseProbe, ComputeSignals, GRPOTrainer
 ):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 

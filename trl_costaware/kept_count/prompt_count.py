@@ -315,11 +315,6 @@ def check_prompt_fields(args) -> float | str:
             "rollouts are split over ranks and no rank can leave the prompt out alone). Set "
             "cost_aware_prompt_fraction=1.0 or change those fields."
         )
-    if args.cost_aware_prompt_sampling:
-        raise ValueError(
-            f"cost_aware_prompt_fraction={fraction!r} is not supported with cost_aware_prompt_sampling=True: the "
-            "prompt stage's weights are derived for the K prompts it draws per generation batch. Use one of the two."
-        )
     if args.cost_aware and args.cost_aware_layout == "full":
         raise ValueError(
             f"cost_aware_prompt_fraction={fraction!r} is not supported with cost_aware_layout='full', which sizes the "
