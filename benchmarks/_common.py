@@ -39,11 +39,8 @@ ENV = {
 # ==================================================================================================== testbed arms
 # An arm is plain data: the trainer kind and CostAwareGRPOConfig fields on top of the testbed recipe.
 #   trainer: "grpo" (CostAwareGRPOTrainer, cost_aware=False), "cost_aware", "zero_adv_filter", "max_variance"
-# The fixed-fraction arms name their kept fraction: the config's default is "auto", and an arm must not change
-# meaning when a default does.
+# The arms name their kept fraction and weights: an arm must not change meaning when a default does.
 HALF = {"cost_aware_kept_fraction": 0.5}
-# Arms without "recenter" in their name name their weights too: from 0a2f1ba until the default went back to "none",
-# they silently inherited the recentred default (the partial regime-matrix runs of BENCHMARKS.md §6 did).
 NONE = {"cost_aware_weight_normalization": "none"}
 ARMS: dict[str, dict] = {
     "grpo": {"trainer": "grpo", "settings": {}},
@@ -71,96 +68,13 @@ ARMS: dict[str, dict] = {
         "trainer": "cost_aware",
         "settings": {"cost_aware_proxy": "uniform", **HALF, "cost_aware_weight_normalization": "recenter"},
     },
-    "cost_aware_auto": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": "auto", **NONE}},
-    "cost_aware_auto_recenter": {
-        "trainer": "cost_aware",
-        "settings": {"cost_aware_kept_fraction": "auto", "cost_aware_weight_normalization": "recenter"},
-    },
     "cost_aware_0.5_loss_aware": {
         "trainer": "cost_aware",
         "settings": {**HALF, "cost_aware_proxy": "loss_aware", **NONE},
     },
-    "cost_aware_auto_recenter_loss_aware": {  # the loss-aware proxy at the package defaults
-        "trainer": "cost_aware",
-        "settings": {
-            "cost_aware_kept_fraction": "auto",
-            "cost_aware_weight_normalization": "recenter",
-            "cost_aware_proxy": "loss_aware",
-        },
-    },
-    "cost_aware_0.5_group_by_length": {
-        "trainer": "cost_aware",
-        "settings": {**HALF, "cost_aware_layout": "even_by_length", **NONE},
-    },
-    "cost_aware_0.5_full_micro": {
-        "trainer": "cost_aware",
-        "settings": {**HALF, "cost_aware_layout": "full", **NONE},
-    },
-    # Issue 25's rule: the kept count that minimises the predicted cost to the target. Priced by this machine's
-    # measured phase times (the CPU-like split), or by the token model at a published GPU split (the price of a
-    # generated token per testbed: `generation_token_cost` below).
-    "cost_aware_compute": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": "compute", **NONE}},
-    "cost_aware_compute_gen55": {
-        "trainer": "cost_aware",
-        "settings": {"cost_aware_kept_fraction": "compute", "cost_aware_cost_model": "tokens", **NONE},
-    },
-    "cost_aware_compute_gen77": {
-        "trainer": "cost_aware",
-        "settings": {"cost_aware_kept_fraction": "compute", "cost_aware_cost_model": "tokens", **NONE},
-    },
     # the row stage at half the prompts per step
     "cost_aware_0.5_half": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "per_device_train_batch_size": 512}},
-    # Issue 39: what each step generates (`cost_aware_prompt_fraction`: a uniform share of each generation batch's
-    # prompts, relative to whatever batch the cell sets, so these arms keep their meaning on the variance cells), for
-    # GRPO and for today's default (rows at 0.5), and the "auto" rule on top of today's default.
-    **{f"grpo_p{f}": {"trainer": "grpo", "settings": {"cost_aware_prompt_fraction": f}} for f in (0.5, 0.25)},
-    **{
-        f"cost_aware_0.5_p{f}": {
-            "trainer": "cost_aware",
-            "settings": {**HALF, **NONE, "cost_aware_prompt_fraction": f},
-        }
-        for f in (0.5, 0.25)
-    },
-    "grpo_pauto": {"trainer": "grpo", "settings": {"cost_aware_prompt_fraction": "auto"}},
-    # The same rule priced by the token model with a per-step generation cost: its two prices are set per cell by
-    # `prompt_count_matrix.step_priced_settings` (half of the cell's GRPO generation cost per step at generation 55%).
-    "cost_aware_0.5_pauto_step55": {
-        "trainer": "cost_aware",
-        "settings": {**HALF, **NONE, "cost_aware_prompt_fraction": "auto", "cost_aware_cost_model": "tokens"},
-    },
-    # GRPO with the rule measuring and predicting but never cutting (max step ratio 1): the run's own estimate of ρ
-    # and of what half and a quarter of its prompts would cost, at GRPO's batch (`response_model.py`).
-    "grpo_pmeasure": {
-        "trainer": "grpo",
-        "settings": {"cost_aware_prompt_fraction": "auto", "cost_aware_max_step_ratio": 1.0},
-    },
-    "cost_aware_0.5_pauto": {
-        "trainer": "cost_aware",
-        "settings": {**HALF, **NONE, "cost_aware_prompt_fraction": "auto"},
-    },
-    # Both counts from one cost model: the prompt count ("auto") and the kept count ("compute"), each priced by this
-    # machine's measured times with the noise probe's ρ and within-group share (issue 39 item 2).
-    "cost_aware_compute_pauto": {
-        "trainer": "cost_aware",
-        "settings": {"cost_aware_kept_fraction": "compute", **NONE, "cost_aware_prompt_fraction": "auto"},
-    },
 }
-# The arms `cost_aware_compute_cal*` (the same rule with the noise scale × 0.3, BENCHMARKS.md §8.3) are retired with
-# the field `cost_aware_noise_scale_factor` (issue 38's audit); their runs stay published and `regime_analysis.py`
-# still reads them. The code that ran them: `git show f6021f1:benchmarks/_common.py`.
-# GRPO's tokens per step on each testbed (token_efficiency_full_<testbed>.json, BENCHMARKS §7): generated tokens G and
-# policy tokens P (prompt + completion of every row).
-GRPO_TOKENS_PER_STEP = {"default": (7224.0, 12334.0), "long": (5839.0, 6351.0)}
-
-
-def generation_token_cost(testbed: str, generation_share: float) -> float:
-    """The token model's price of a generated token, in policy tokens, at which GRPO's step on `testbed` spends
-    `generation_share` of its cost on generation and scoring (the rest on passes and update, per policy token):
-    (s_gen / (1 − s_gen)) · P / G."""
-    gen, pol = GRPO_TOKENS_PER_STEP[testbed]
-    return generation_share / (1.0 - generation_share) * pol / gen
-
-
 # Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
 TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
     "long": {  # 8 prompts x 8 = 64 rollouts per step
@@ -168,11 +82,6 @@ TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
         "cost_aware_0.5_half": {"per_device_train_batch_size": 8},
     },
 }
-for _tb in GRPO_TOKENS_PER_STEP:
-    for _arm, _share in (("cost_aware_compute_gen55", 0.55), ("cost_aware_compute_gen77", 0.77)):
-        _price = round(generation_token_cost(_tb, _share), 4)
-        TESTBED_ARM_SETTINGS.setdefault(_tb, {})[_arm] = {"cost_aware_generation_token_cost": _price}
-
 
 def trainer_for(kind: str):
     """(trainer class, settings it needs) for an arm's trainer kind."""

@@ -13,8 +13,8 @@ costs c_i ~ U[1, 10] independent of G_i. F* is computed by iteratively reweighte
 Target. ε = 0.01 relative suboptimality: (F(x) − F*) / (F(x_0) − F*) ≤ ε with x_0 = 0 (the last iterate; no
 averaging). Total cost = Σ c_i over the sampled components up to the check that meets the target.
 
-SGD. Sample i ~ p (trl_costaware.core.sampling.draw_multinomial), step x ← x − η ∇f_i(x) / (n p_i). Samplers (all built
-with trl_costaware.core.sampling): uniform, ∝ 1/c (ablation), ∝ 1/√c, ∝ G, ∝ G/√c (the method, p*).
+SGD. Sample i ~ p (trl_costaware.rows.sampling.draw_multinomial), step x ← x − η ∇f_i(x) / (n p_i). Samplers (all built
+with trl_costaware.rows.sampling): uniform, ∝ 1/c (ablation), ∝ 1/√c, ∝ G, ∝ G/√c (the method, p*).
 
 Step size, fair to every sampler. The theory's constant step for Lipschitz SGD is η = ε_abs / S(p) with
 S(p) = (1/n²) Σ_i G_i²/p_i = E‖g‖² (the second moment of the stochastic gradient) and ε_abs = ε (F(x₀) − F*) the
@@ -51,10 +51,10 @@ import numpy as np
 import torch
 
 try:
-    from trl_costaware.core import sampling
+    from trl_costaware.rows import sampling
 except ImportError:  # running from a checkout without an install
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from trl_costaware.core import sampling
+    from trl_costaware.rows import sampling
 
 SAMPLERS = ("uniform", "inverse_cost", "inverse_sqrt_cost", "gradient", "gradient_over_sqrt_cost")
 KAPPAS = [2 ** (k / 2) for k in range(0, 7)]  # 1 … 8, factor √2
@@ -135,7 +135,7 @@ def make_problem(
 
 
 def sampler_distribution(name: str, G: np.ndarray, c: np.ndarray) -> np.ndarray:
-    """The sampling distribution p (float64 numpy), from trl_costaware.core.sampling (G plays the role of |A|)."""
+    """The sampling distribution p (float64 numpy), from trl_costaware.rows.sampling (G plays the role of |A|)."""
     g_t, c_t = torch.as_tensor(G, dtype=torch.float64), torch.as_tensor(c, dtype=torch.float64)
     if name == "uniform":
         scores = sampling.sampling_scores(g_t, c_t, proxy="uniform")
@@ -214,7 +214,7 @@ def simulate(
     """Constant-step SGD for every run until its replicate-mean relative error has met the target and it has spent
     at least `run_until`, or it has spent `cost_cap` (mean over its replicates).
 
-    Each chain draws its indices with its own torch.Generator via trl_costaware.core.sampling.draw_multinomial, whose
+    Each chain draws its indices with its own torch.Generator via trl_costaware.rows.sampling.draw_multinomial, whose
     Hansen–Hurwitz weight w = 1/(n p_i) is exactly the SGD importance factor: x ← x − η w G_i sign(u_iᵀx − b_i) u_i.
     """
     R = replicates

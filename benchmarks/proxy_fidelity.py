@@ -23,7 +23,7 @@ Proxies compared (`trl_costaware.rows.proxy`, docs/budget_and_proxy.md §1):
 
 Reported per loss type and batch: Pearson (and Spearman) between proxy and G_i over all rows and over the
 informative rows (A_i != 0), and the cost factor of sampling ∝ proxy/√c against the optimum ∝ G_i/√c:
-J(p)/J(p*) = 1 + χ²(r*‖r) (docs/algorithm.md §1), from `trl_costaware.core.sampling`. The in-sample best γ (the grid
+J(p)/J(p*) = 1 + χ²(r*‖r) (docs/algorithm.md §1), from `trl_costaware.rows.sampling`. The in-sample best γ (the grid
 value with the smallest J(p)/J(p*) per batch, median over batches) is reported per loss type to check the fixed
 default.
 """
@@ -119,8 +119,8 @@ def spearman(x, y) -> float:
 def best_gamma(absa, g, costs, token_mask, token_logps, loss_type) -> float:
     """The γ of the grid `GAMMA_GRID` whose proxy (with `token_logps`, or length only when None) gives the smallest
     J(p)/J(p*) for sampling ∝ proxy/√c on this batch: an in-sample optimum, to check the fixed default."""
-    from trl_costaware.core.sampling import j_ratio_achieved, sampling_distribution
     from trl_costaware.rows.proxy import loss_aware_proxy
+    from trl_costaware.rows.sampling import j_ratio_achieved, sampling_distribution
 
     def cost_factor(gamma):
         proxy = loss_aware_proxy(absa, token_mask, loss_type, gamma, token_logps)
@@ -158,9 +158,9 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
     import torch
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-    from trl_costaware.core.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution, sequence_costs
     from trl_costaware.embedded.tasks import get_task
     from trl_costaware.rows.batching import select_rows
+    from trl_costaware.rows.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution, sequence_costs
 
     torch.manual_seed(args.seed)
     settings, data_kwargs, model_path = task_setup(args.task)
@@ -339,9 +339,9 @@ def budget_fidelity(res: dict) -> list[dict]:
     for the same p and m; and the same two inflations for the fixed fraction 0.5."""
     import torch
 
-    from trl_costaware.core.sampling import sampling_distribution
     from trl_costaware.kept_count.budget import smallest_budget, variance_inflation
     from trl_costaware.rows.proxy import DEFAULT_GAMMA, length_exponent
+    from trl_costaware.rows.sampling import sampling_distribution
 
     out = []
     for lt in res["loss_types"]:

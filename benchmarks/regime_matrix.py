@@ -1,7 +1,7 @@
 """The regime matrix (issue 26): cells chosen by a measured property, arms given GRPO's compute, decided by compute.
 
     python benchmarks/regime_matrix.py                       # every default-testbed cell, 3 seeds, the arms below
-    python benchmarks/regime_matrix.py --cells default_late --arms grpo,cost_aware_auto --seeds 3
+    python benchmarks/regime_matrix.py --cells default_late --arms grpo,cost_aware_0.5 --seeds 3
     python benchmarks/regime_matrix.py --analyze-only        # re-read the runs in --out, rewrite the results
     python benchmarks/regime_matrix.py --smoke               # tiny batches, 3 steps: checks the machinery
 
@@ -16,9 +16,9 @@ Cells (`CELLS`); each is chosen by its PROPERTY, measured from GRPO runs and pri
   learning rate; fixed order) at which GRPO on half the rollouts keeps at most 85% of GRPO's held-out gain at equal
   steps (paired seeds: the cell's own GRPO and GRPO-half runs), i.e. loses >= `VARIANCE_LOSS_MIN` of it.
 
-Arms (`MATRIX_ARMS`): GRPO, `auto` recentred (the package default), `auto` with weights `none`, fixed 0.5 `none`,
-fixed 0.5 recentred, fixed 0.25 `none`. Every arm gets the compute of the same seed's GRPO run (`compute.py`: tokens
-weighted by the cell's CPU-like split, i.e. GRPO's measured update share, which is the split under which a kept
+Arms (`MATRIX_ARMS`): GRPO, fixed 0.5 `none` (the package default), fixed 0.5 recentred, fixed 0.25 `none` (any arm
+of `_common.ARMS` can be named with --arms). Every arm gets the compute of the same seed's GRPO run (`compute.py`:
+tokens weighted by the cell's CPU-like split, i.e. GRPO's measured update share, which is the split under which a kept
 fraction buys the most steps): an arm with cheaper steps runs more of them, under the same constant-after-warm-up
 schedule, and stops when its compute reaches GRPO's under every split (`SPLITS`). The end accuracy "at equal compute"
 under the GPU splits is then read at the earlier point of the same curve where its compute under that split equals
@@ -56,8 +56,7 @@ from regime_runs import (  # noqa: E402, F401  (the records' readers, re-exporte
 )
 from token_efficiency import bootstrap_ci  # noqa: E402
 
-MATRIX_ARMS = ("grpo", "cost_aware_auto_recenter", "cost_aware_auto", "cost_aware_0.5", "cost_aware_0.5_recenter")
-MATRIX_ARMS += ("cost_aware_0.25",)
+MATRIX_ARMS = ("grpo", "cost_aware_0.5", "cost_aware_0.5_recenter", "cost_aware_0.25")
 CHECKPOINT_SEED = 1000
 CHECK_EVERY = 10
 LATE_MAX_STEPS = 600  # at 200 the default testbed was at a 44% share (criterion <= 40%): the cap was raised
@@ -77,7 +76,6 @@ MIN_REVISITS = 10
 ZERO_SHARE_MIN = 0.5
 SMOKE = {"per_device_train_batch_size": 32, "num_generations": 8}  # 4 prompts x 8 rollouts, for --smoke
 SMOKE_EVAL_N = 32
-MIN_AUTO_FRACTION = 0.125  # the step cap of a `cost_aware_prompt_fraction="auto"` arm (`run_in_cell`)
 
 
 # ==================================================================================================== runs
@@ -419,11 +417,8 @@ def run_in_cell(ctx: dict, arm: str, seed: int) -> dict:
         return run_one("grpo", spec, seed, ctx["root"], steps=steps, **kw)
     weights = grpo_split_weights(load_cell_runs(ctx["root"])["grpo"], seed, steps)
     floor = min(w.split.generation for w in weights.values())
-    # A step that generates for a fraction φ of the prompts costs at least φ · floor of GRPO's ("auto": at least the
-    # smallest fraction it can choose, bounded here by MIN_AUTO_FRACTION); the budget stops the run, this only caps it.
-    fraction = spec.get("settings", {}).get("cost_aware_prompt_fraction", 1.0)
-    phi = MIN_AUTO_FRACTION if fraction == "auto" else float(fraction)
-    max_steps = int(math.ceil(steps / max(floor * phi, 0.02)))
+    # A step costs at least the generation share of GRPO's step; the budget stops the run, this only caps it.
+    max_steps = int(math.ceil(steps / max(floor, 0.02)))
     r = run_one(arm, spec, seed, ctx["root"], steps=max_steps, budget=(list(weights.values()), float(steps)), **kw)
     print(
         f"{ctx['cell']} {arm} s{seed}: {r['steps']} max steps, stopped at {r['curve'][-1]['step']}, held-out "

@@ -52,7 +52,7 @@ QUICK_GAMMA_FRACTIONS = (0.0, 0.02, 0.1)
 
 
 def kept_distribution(G: np.ndarray, c: np.ndarray, kept: np.ndarray) -> np.ndarray:
-    """p* restricted to the kept set: ∝ G_i/√c_i on K, 0 elsewhere (built with trl_costaware.core.sampling)."""
+    """p* restricted to the kept set: ∝ G_i/√c_i on K, 0 elsewhere (built with trl_costaware.rows.sampling)."""
     G_k = np.where(np.isin(np.arange(G.size), kept), G, 0.0)
     return sampler_distribution("gradient_over_sqrt_cost", G_k, c)
 

@@ -511,7 +511,7 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
     if backend == "zero3":
         assert [r["zero_stage"] for r in records] == [3, 3]
     if backend != "ddp":
-        from trl_costaware.core.sampling import capped_kept_count, kept_row_count
+        from trl_costaware.rows.sampling import capped_kept_count, kept_row_count
 
         own_counts = list(zip(records[0]["budget_rows"], records[1]["budget_rows"], strict=True))
         assert any(a != b for a, b in own_counts), (

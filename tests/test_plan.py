@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl import GRPOTrainer
 
-from trl_costaware.core.sampling import eligible_rows, sampling_distribution, stream_seed
+from trl_costaware.rows.sampling import eligible_rows, sampling_distribution, stream_seed
 from trl_costaware.kept_count.budget import smallest_budget, variance_inflation
 from trl_costaware.rows import plan as plan_module
 from trl_costaware.rows.batching import KNOWN_KEYS, check_keys, select_rows, trim_to_longest

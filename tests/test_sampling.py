@@ -1,4 +1,4 @@
-"""Property and Monte Carlo tests for the sampling core (`trl_costaware.core.sampling`, docs/algorithm.md §1–2)."""
+"""Property and Monte Carlo tests for the sampling core (`trl_costaware.rows.sampling`, docs/algorithm.md §1–2)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from trl_costaware.core import sampling
-from trl_costaware.core.sampling import (
+from trl_costaware.rows import sampling
+from trl_costaware.rows.sampling import (
     draw_multinomial,
     draw_rows,
     draw_systematic,

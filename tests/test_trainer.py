@@ -356,7 +356,7 @@ def test_cost_callable_and_import_path(tmp_path, model_path, dataset):
         calls.append(len(prompt_mask))
         return (prompt_mask.sum(-1) + 2 * completion_mask.sum(-1)).float()
 
-    args = make_args(tmp_path, cost_aware_cost="trl_costaware.core.sampling:sequence_costs")
+    args = make_args(tmp_path, cost_aware_cost="trl_costaware.rows.sampling:sequence_costs")
     args.cost_aware_cost = flops  # a callable works from Python
     trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.train()
@@ -438,7 +438,7 @@ def test_kept_rows_follow_the_configured_rule(tmp_path, model_path, dataset, rul
     """m from the fraction (rounded down to steps_per_generation under the even layout, to 1 under the packed one) or
     from the token budget (budget / E_p[c]), then capped by the informative rows; β > 0 so every row is eligible and
     the cap does not bind."""
-    from trl_costaware.core.sampling import sampling_distribution, sampling_scores, sequence_costs
+    from trl_costaware.rows.sampling import sampling_distribution, sampling_scores, sequence_costs
 
     overrides = dict(
         steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05, cost_aware_layout=layout

@@ -19,7 +19,6 @@ the plan. The math lives in `sampling.py`, `budget.py`, `proxy.py`; the batch la
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import warnings
@@ -30,16 +29,11 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 
 from .config import CostAwareGRPOConfig, resolve_cost_fn
-from .core.sampling import sequence_costs, stream_generator
-from .kept_count.noise_probe import NoiseProbe
-from .kept_count.prompt_rule import PromptCount
-from .kept_count.step_signals import ComputeSignals
-from .rows.batching import regroup_by_length, row_lengths, select_rows, trim_to_longest
+from .rows.batching import row_lengths, select_rows, trim_to_longest
 from .rows.deferred import DEFERRED_KEYS, DeferredLogProbPasses
 from .rows.layout import kept_multiple, micro_token_factor
 from .rows.packed import NOOP_KEY, PackedLayout
 from .rows.plan import (
-    LOSS_NORMALISERS,
     AcceleratorCollective,
     PlanSettings,
     RowStats,
@@ -48,6 +42,7 @@ from .rows.plan import (
     plan_batch,
 )
 from .rows.proxy import DEFAULT_GAMMA, row_factor
+from .rows.sampling import sequence_costs, stream_generator
 from .tracking.callbacks import attach_tracking, validate_report_to
 from .tracking.launch import duplicated_launch
 
@@ -87,9 +82,7 @@ def host_floats(values: list) -> list[float]:
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
-class CostAwareGRPOTrainer(
-    DeferredLogProbPasses, PackedLayout, PromptCount, NoiseProbe, ComputeSignals, GRPOTrainer
-):
+class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
@@ -184,28 +177,18 @@ class CostAwareGRPOTrainer(
         self._buffer_start_streams = None
         self._check_layout()
         self._packed_metric_weights = []  # the packed micro-batches' metric weights since the last train log
-        self._init_compute_signals()  # the "compute" rule's noise scale and step costs (step_signals.py)
-        self._init_prompt_count()  # cost_aware_prompt_fraction (prompt_rule.py)
-        normaliser = LOSS_NORMALISERS.get(self.loss_type)
-        self._init_noise_probe(row_length=normaliser is not None and normaliser.row_length)  # noise_probe.py
 
     # ------------------------------------------------------------------ generation batch: sample the rows
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)  # evaluation is untouched
         self._buffer_start_streams = self._stream_states()
-        start = self._begin_generation()
-        inputs = self._select_prompts(inputs)  # cost_aware_prompt_fraction (prompt_rule.py): all prompts at 1.0
         if not self.args.cost_aware:
             batch = super()._generate_and_score_completions(inputs)
-            self._end_generation(start)
-            self._maybe_probe(batch, self._batch_fraction)
             self._record_generation(batch)
             return batch
         with self._deferred_log_prob_passes():
             batch = super()._generate_and_score_completions(inputs)
-        self._end_generation(start)
-        self._maybe_probe(batch, self._batch_fraction)  # the noise probe (noise_probe.py)
         for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
             batch.pop(key, None)
         self._batch_plan, self._batch_rows = None, None
@@ -293,15 +276,11 @@ class CostAwareGRPOTrainer(
         with another row rule returning the same pair; the plan-only corrections then do not apply.)"""
         rows = self._host_row_stats(batch)
         args = self.args
-        settings = PlanSettings.from_args(args, self._zero_advantage_carries_gradient)
-        # m's unit from the layout this trainer runs (`_check_layout` may have fallen back from the config's)
         unit = kept_multiple(self._layout, args.steps_per_generation, args.gradient_accumulation_steps)
-        if settings.kept_multiple != unit:
-            settings = dataclasses.replace(settings, kept_multiple_of=unit)
+        settings = PlanSettings.from_args(args, self._zero_advantage_carries_gradient, unit)
         collective = self._collective(batch["advantages"].device)
-        plan = plan_batch(rows, settings, self._sampler_generator, collective, self._compute_signal())
+        plan = plan_batch(rows, settings, self._sampler_generator, collective)
         self._batch_plan, self._batch_rows = plan, rows
-        self._note_plan(plan, rows)
         metrics = self._metrics["train"]
         for key, value in plan.metrics.items():
             metrics[f"cost_aware/{key}"].append(value)
@@ -337,7 +316,6 @@ class CostAwareGRPOTrainer(
         rollout, gen, policy = local.cpu().double().tolist()  # int64 sums: no float64 on the device
         values = {"rows": len(prompt), "rollout_tokens": rollout, "generated_tokens": gen, "policy_tokens": policy}
         total = self._sum_over_ranks(values, prompt.device)
-        self._note_generation(gen, policy, total["rows"])  # the measurements of cost_aware_prompt_fraction="auto"
         self._add_totals(total["rows"], total["rows"], total["rollout_tokens"], total["generated_tokens"])
         self._cost_aware_totals["policy_tokens"] += self.num_iterations * total["policy_tokens"]
         self._metrics["train"]["cost_aware/kept_row_fraction"].append(1.0)
@@ -376,14 +354,6 @@ class CostAwareGRPOTrainer(
         elif self.args.cost_aware:
             positions = [c.get("cost_aware_rows") for c in chunks]
             known = host is not None and all(p is not None for p in positions)
-            if self.args.cost_aware_layout == "even_by_length" and len(chunks) > 1:
-                # Its own generator: grouping changes padding only, never which rows the sampler draws next.
-                lengths = None
-                if known:
-                    flat = [i for p in positions for i in p]
-                    lengths = (host["prompt_tokens"] + host["completion_tokens"])[flat]
-                chunks = regroup_by_length(chunks, self._grouping_generator, lengths)
-                positions = [c.get("cost_aware_rows") for c in chunks]
             widths = [
                 (float(host["prompt_tokens"][p].max()), float(host["completion_tokens"][p].max())) if known else None
                 for p in positions
@@ -439,7 +409,6 @@ class CostAwareGRPOTrainer(
     def _clip_grad_norm(self, model):
         """Records, per optimizer step, whether `max_grad_norm` clipped the gradient (`cost_aware/grad_clipped`, its
         window mean is the fraction of clipped steps), in both arms. The flag stays on the device until `log`."""
-        self._observe_gradient(model)  # the "compute" rule's noise scale reads the gradient before clipping
         norm = super()._clip_grad_norm(model)
         if norm is not None:
             clipped = (torch.as_tensor(norm).detach().float() > self.args.max_grad_norm).float()
@@ -478,8 +447,6 @@ class CostAwareGRPOTrainer(
         return {
             "generator": self._sampler_generator.get_state(),
             "grouping_generator": self._grouping_generator.get_state(),
-            "prompt_generator": self._prompt_generator.get_state(),
-            "prompt_batches": self._prompt_batches,  # the "auto" prompt rule's probes alternate on it
         }
 
     def _cost_aware_state(self) -> dict:
@@ -500,8 +467,6 @@ class CostAwareGRPOTrainer(
         state.update(streams)
         state.update(
             totals=dict(self._cost_aware_totals),
-            compute=self._compute_state(),
-            probe=self._probe_state(),
             rank=self.accelerator.process_index,
             world_size=self.accelerator.num_processes,
         )
@@ -519,17 +484,8 @@ class CostAwareGRPOTrainer(
                 self._sampler_generator.set_state(state["generator"])
             if "grouping_generator" in state:
                 self._grouping_generator.set_state(state["grouping_generator"])
-            if "prompt_generator" in state:
-                self._prompt_generator.set_state(state["prompt_generator"])
-                self._prompt_batches = int(state.get("prompt_batches", 0))
         if "totals" in state:
             self._cost_aware_totals.update(state["totals"])
-        if "compute" in state:
-            self._load_compute_state(state["compute"])
-        if "probe" in state:
-            self._load_probe_state(
-                state["probe"], state.get("rank", self.accelerator.process_index) == self.accelerator.process_index
-            )
 
     def _save_checkpoint(self, model, trial):
         super()._save_checkpoint(model, trial)

@@ -112,23 +112,6 @@ def concat_batches(batches: list[dict]) -> dict:
     return out
 
 
-def regroup_by_length(
-    batches: list[dict], generator: torch.Generator | None = None, lengths: torch.Tensor | None = None
-) -> list[dict]:
-    """Re-split equal-size chunks so each holds rows of similar length (sorted by prompt + completion tokens), then
-    shuffle the chunk order. Every chunk keeps the same number of rows, which multi-process training needs.
-    `lengths`: the concatenated rows' lengths on the host, when the caller knows them (no device→host transfer)."""
-    k = len(batches)
-    merged = concat_batches(batches)
-    if lengths is None:
-        lengths = row_lengths(merged).cpu()
-    order = torch.argsort(lengths, stable=True)
-    size = len(order) // k
-    chunks = [select_rows(merged, order[i * size : (i + 1) * size]) for i in range(k)]
-    perm = torch.randperm(k, generator=generator).tolist()
-    return [chunks[i] for i in perm]
-
-
 def noop_micro_batch(batch: dict) -> dict:
     """A micro-batch that trains on nothing: one row of one prompt token (row 0's last, attended) and one completion
     token (row 0's first) with completion mask 0 (tool mask 0), advantage 0; `SCALAR_KEYS` pass through. Every loss

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..core.sampling import j_ratio_achieved, j_ratio_ideal
+from .sampling import j_ratio_achieved, j_ratio_ideal
 
 
 def rank_sums(

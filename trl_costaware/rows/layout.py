@@ -1,105 +1,27 @@
 """How the kept rows of a generation batch are laid out into micro-batches (pure arithmetic; docs/layout.md).
 
 TRL splits each rank's generation batch of N = B · S rows (B = `per_device_train_batch_size`, S =
-`steps_per_generation`) into S micro-batches of B rows. Cost-aware sampling keeps m of them. Three layouts:
+`steps_per_generation`) into S micro-batches of B rows. Cost-aware sampling keeps m of them. Two layouts, chosen by the
+trainer (`layout_for`; the packed one unless a loss term is added per micro-batch):
 
 - "even" (TRL's split of the m rows): m/S rows in every micro-step, so m is a multiple of S (at B = 1 nothing can be
   dropped) and every micro-step still runs, with fewer rows.
-- "packed" (`packed_micro_steps`, the default through `cost_aware_layout="auto"`): each optimizer step's kept rows,
+- "packed" (`packed_micro_steps`): each optimizer step's kept rows,
   sorted by length, in as few micro-batches of up to B rows as they need; the optimizer step's other micro-steps are
   no-ops. m is a multiple of k = S / gcd(S, G) only (G = `gradient_accumulation_steps`; `kept_multiple`): the
   number of runs of g = gcd(S, G) micro-step positions the generation batch is cut into (`optimizer_segments`), each
   inside one optimizer step. That is the number of optimizer steps per generation batch when G divides S, and 1
   (any m) when S divides G.
-- "full" (`full_micro_batch_layout`): for a fixed fraction f, the config
-  itself is rewritten,
-
-    B' = B / f,    S' = f · S,    G' = f · G      (G = `gradient_accumulation_steps`)
-
-  so the generation batch is B' · S' = B · S rows as before, the m = f · B · S kept rows fill S' micro-batches of
-  f · B' = B rows each, and each optimizer step takes G' micro-steps instead of G. B, S and G must make B', S' and G'
-  whole numbers. It then runs as "even" with full micro-batches.
-- "even_by_length": "even", with the kept rows regrouped by length across the generation batch's micro-batches
-  (padding only; `batching.regroup_by_length`).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from ..core.sampling import kept_row_count
-
-
-@dataclass(frozen=True)
-class Layout:
-    per_device_train_batch_size: int
-    gradient_accumulation_steps: int
-    steps_per_generation: int | None
-
-
-def _whole(value: float, what: str) -> int:
-    rounded = round(value)
-    if rounded < 1 or abs(rounded - value) > 1e-9:
-        raise ValueError(what)
-    return rounded
-
-
-def full_micro_batch_layout(
-    per_device_train_batch_size: int,
-    gradient_accumulation_steps: int,
-    steps_per_generation: int | None,
-    kept_fraction: float,
-) -> Layout:
-    """B' = B/f, G' = f·G, S' = f·S (S None: TRL's default S = G, which then stays None so TRL derives S' = G').
-
-    Raises ValueError naming the fields when a result is not a whole number of rows or steps."""
-    f = kept_fraction
-    hint = (
-        f"cost_aware_layout='full' with cost_aware_kept_fraction={f} needs per_device_train_batch_size / "
-        f"{f}, gradient_accumulation_steps × {f} and steps_per_generation × {f} to be whole numbers; got "
-        f"per_device_train_batch_size={per_device_train_batch_size}, gradient_accumulation_steps="
-        f"{gradient_accumulation_steps}, steps_per_generation={steps_per_generation}"
-    )
-    rows = _whole(per_device_train_batch_size / f, hint)
-    accumulation = _whole(gradient_accumulation_steps * f, hint)
-    spg = None if steps_per_generation is None else _whole(steps_per_generation * f, hint)
-    return Layout(rows, accumulation, spg)
-
-
-# ---------------------------------------------------------------------------------------------------- packed layout
-# `cost_aware_layout`: "packed" (the kept rows of each optimizer step, sorted by length, in as few micro-batches of up
-# to B rows as they need; the optimizer step's other micro-steps are no-ops), "even" (TRL's split: m/S rows in each of
-# the S micro-steps, so m is a multiple of S), "even_by_length" ("even" with the rows regrouped by length), "full"
-# (the config rewritten so that the kept rows fill whole micro-batches; then "even"), "auto" (packed, unless the
-# gradient cannot be kept equal: see `resolve_layout`).
-LAYOUTS = ("auto", "packed", "even", "even_by_length", "full")
-EVEN_LAYOUTS = ("even", "even_by_length", "full")  # the requests that run TRL's even split
-
-
-def resolve_layout(requested: str, entropy_bonus: bool = False) -> str:
-    """The layout that runs: "packed" or "even" ("even_by_length" and "full" run "even").
-
-    "auto" is "packed" unless TRL's entropy bonus is on (`entropy_coef != 0` or
-    `use_adaptive_entropy`: TRL adds it per micro-batch as that micro-batch's token mean, so fewer, fuller
-    micro-batches would change its total and the adaptive controller's window; the packed layout is proven equal
-    only without it). An explicit "packed" with it raises, naming the fields."""
-    if requested not in LAYOUTS:
-        raise ValueError(f"cost_aware_layout must be one of {LAYOUTS}, got {requested!r}")
-    if requested in EVEN_LAYOUTS:
-        return "even"
-    if not entropy_bonus:
-        return "packed"
-    if requested == "packed":
-        raise ValueError(
-            "cost_aware_layout='packed' cannot be combined with TRL's entropy bonus (entropy_coef != 0 or "
-            "use_adaptive_entropy=True: a per-micro-batch token mean, which packing would re-weight). Use "
-            "cost_aware_layout='even' (or 'auto', which then chooses it)."
-        )
-    return "even"
+from .sampling import kept_row_count
 
 
 def optimizer_segments(steps_per_generation: int, gradient_accumulation_steps: int) -> tuple[int, int]:
@@ -253,10 +175,13 @@ def micro_token_factor(tokens, micro_tokens_full: float):
     return tokens / micro_tokens_full if tokens > 0 else 1.0
 
 
-def layout_of(args) -> str:
-    """The layout a `CostAwareGRPOConfig` runs (`resolve_layout` on its fields)."""
+def layout_for(args, aux_loss: bool = False) -> str:
+    """The layout a `CostAwareGRPOConfig` runs: "packed", or "even" when a loss term is added per micro-batch, which
+    fewer, fuller micro-batches would re-weight: TRL's entropy bonus (`entropy_coef != 0` or `use_adaptive_entropy`:
+    a per-micro-batch token mean, with the adaptive controller's window) or a router aux loss (`aux_loss`, known
+    once the model is loaded)."""
     entropy_bonus = getattr(args, "entropy_coef", 0.0) != 0.0 or bool(getattr(args, "use_adaptive_entropy", False))
-    return resolve_layout(args.cost_aware_layout, entropy_bonus)
+    return "even" if entropy_bonus or aux_loss else "packed"
 
 
 def sampling_floor_warning(
@@ -264,21 +189,19 @@ def sampling_floor_warning(
     per_device_train_batch_size: int,
     steps_per_generation: int,
     gradient_accumulation_steps: int,
-    kept_fraction,
-    packed_possible: bool = True,
+    kept_fraction: float | None,
 ) -> str | None:
-    """A warning naming the fields when the shape keeps more than asked, or None (`packed_possible=False`: without
-    the hint that the packed layout lifts the even layout's limit, for a trainer that cannot pack).
+    """A warning naming the fields when the shape keeps more than asked, or None.
 
     The kept count m is a multiple of k = `kept_multiple(...)` and at least k, of N = B·S rows per rank: a fixed
-    fraction f keeps m/N = max(k, ⌊round(f·N)/k⌋·k)/N, which the warning reports when it exceeds 1.1·f; under "auto"
-    or a token budget it warns when k = N (nothing can ever be dropped: the even layout at B = 1, or the packed
-    layout at B = 1 with one optimizer step per micro-step)."""
+    fraction f keeps m/N = max(k, ⌊round(f·N)/k⌋·k)/N, which the warning reports when it exceeds 1.1·f; under a
+    token budget (`kept_fraction` None) it warns when k = N (nothing can ever be dropped: the even layout at B = 1, or
+    the packed layout at B = 1 with one optimizer step per micro-step)."""
     n = per_device_train_batch_size * steps_per_generation
     k = kept_multiple(layout, steps_per_generation, gradient_accumulation_steps)
     shape = (
         f"per_device_train_batch_size={per_device_train_batch_size}, steps_per_generation={steps_per_generation}, "
-        f"gradient_accumulation_steps={gradient_accumulation_steps}, cost_aware_layout={layout!r}"
+        f"gradient_accumulation_steps={gradient_accumulation_steps} (the {layout} layout)"
     )
     why = (
         f"the kept row count is a multiple of {k} ("
@@ -289,17 +212,14 @@ def sampling_floor_warning(
         )
         + f") out of {n} rows per rank"
     )
-    hint = ""
-    if layout == "even" and packed_possible:
-        hint = " cost_aware_layout='packed' (or 'auto') lifts the even layout's limit."
-    if isinstance(kept_fraction, int | float) and not isinstance(kept_fraction, bool):
+    if kept_fraction is not None:
         m = kept_row_count(n, float(kept_fraction), k)
         if m / n > 1.1 * kept_fraction:
             return (
                 f"cost_aware_kept_fraction={kept_fraction} keeps {m}/{n} = {m / n:.2f} of each generation batch with "
-                f"{shape}: {why}.{hint}"
+                f"{shape}: {why}."
             )
         return None
     if k >= n:
-        return f"Cost-aware sampling can drop no row with {shape}: {why}.{hint}"
+        return f"Cost-aware sampling can drop no row with {shape}: {why}."
     return None

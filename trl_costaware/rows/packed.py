@@ -9,18 +9,15 @@ gradient and no metric, and skips the model where that is safe. The trainer's `_
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .batching import noop_micro_batch, row_lengths, select_rows, trim_to_longest
 from .layout import (
-    layout_of,
+    layout_for,
     micro_token_factor,
     optimizer_segments,
     packed_micro_steps,
     row_mean_scale,
-    sampling_floor_warning,
     token_mean_scale,
 )
 from .plan import check_loss_type
@@ -51,38 +48,9 @@ class PackedLayout:
     """The packed layout's methods; mixed into `CostAwareGRPOTrainer` before `GRPOTrainer`."""
 
     def _check_layout(self):
-        """At construction: the layout this trainer runs, kept in `self._layout` ("packed" or "even"; the user's
-        `args.cost_aware_layout` is left as given). A router aux loss (known once the model is loaded) is added per
-        micro-batch, also by a no-op's forward, so the packed layout is refused for it when asked for by name, and
-        "auto" falls back to the even layout with a warning that says what the even layout keeps (the config's own
-        warning was computed for the packed layout)."""
-        args = self.args
-        self._layout = layout_of(args) if args.cost_aware else "even"
-        if not (args.cost_aware and self.aux_loss_enabled and self._layout == "packed"):
-            return
-        if args.cost_aware_layout == "packed":
-            raise ValueError(
-                "cost_aware_layout='packed' cannot be combined with a router aux loss (this model has "
-                f"output_router_logits and router_aux_loss_coef={self.router_aux_loss_coef}): TRL adds it per "
-                "micro-batch, which packing would re-weight. Use cost_aware_layout='even' or 'auto', or "
-                "router_aux_loss_coef=0."
-            )
-        self._layout = "even"
-        message = (
-            "cost_aware_layout='auto' uses the even layout: this model adds a router aux loss per micro-batch "
-            f"(router_aux_loss_coef={self.router_aux_loss_coef}), which the packed layout would re-weight."
-        )
-        floor = sampling_floor_warning(
-            "even",
-            args.per_device_train_batch_size,
-            args.steps_per_generation,
-            args.gradient_accumulation_steps,
-            args.cost_aware_kept_fraction,
-            packed_possible=False,
-        )
-        if floor is not None:
-            message += f" Under it: {floor}"
-        warnings.warn(message, UserWarning, stacklevel=3)
+        """At construction: the layout this trainer runs, in `self._layout` (`layout.layout_for`: "packed", or "even"
+        with an entropy bonus or a router aux loss, known once the model is loaded)."""
+        self._layout = layout_for(self.args, bool(self.aux_loss_enabled)) if self.args.cost_aware else "even"
 
     def _pack_buffer(self, kept_batch, chunks, host, plan):
         """The packed layout of one generation batch (`layout.packed_micro_steps`): the S micro-step entries, each a

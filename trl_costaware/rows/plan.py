@@ -4,17 +4,15 @@
 
 1. eligibility: the rows that can carry gradient, S (`sampling.eligible_rows`);
 2. the sampling distribution p over S (`sampling.sampling_scores`, `sampling.sampling_distribution`);
-3. m, equal on every rank: a fixed fraction (`sampling.kept_row_count`), a token budget
-   (`sampling.kept_rows_for_token_budget`, smallest over ranks), "auto" (`budget.smallest_budget` on the proxy
-   G_i = |A_i| h_i · 1[i ∈ S], largest over ranks) or "compute" (`compute_budget.cheapest_kept_count` on the same
-   proxy with the run's measured `ComputeSignal`, largest over ranks), then capped at what the busiest rank's eligible
+3. m, equal on every rank: a fixed fraction (`sampling.kept_row_count`) or a token budget
+   (`sampling.kept_rows_for_token_budget`), smallest over ranks, then capped at what the busiest rank's eligible
    rows need (`sampling.capped_kept_count`);
-4. the draw (`sampling.draw_rows`); when this rank has fewer eligible rows than m, the remaining slots go to the
-   cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
+4. the systematic draw (`sampling.draw_systematic`); when this rank has fewer eligible rows than m, the remaining
+   slots go to the cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
 5. the weights: the draw's unbiasing weights of the kept non-filler rows of all ranks, normalised together
    (`sampling.normalize_weights`) around the design's expected mean weight w̄₀ of those slots
    (`sampling.design_weight_terms`, summed over ranks: |S|/N on one rank, not 1, since rows outside S are never
-   drawn); filler rows get weight 0 and stay out of the mean, the centre, the floor/cap and the weight metrics;
+   drawn); filler rows get weight 0 and stay out of the mean, the centre, the floor and the weight metrics;
 6. the per-row factor that multiplies each kept row's advantage: the weight times the loss type's correction from
    `LOSS_NORMALISERS`;
 7. the metrics of the draw (`diagnostics`), summed over ranks.
@@ -30,23 +28,19 @@ from typing import Protocol
 
 import torch
 
-from ..core.sampling import (
+from .diagnostics import batch_metrics, rank_sums
+from .sampling import (
     Draw,
     capped_kept_count,
     design_weight_terms,
-    draw_rows,
+    draw_systematic,
     eligible_rows,
-    gradient_proxy,
     kept_row_count,
     kept_rows_for_token_budget,
     normalize_weights,
     sampling_distribution,
     sampling_scores,
 )
-from ..kept_count.budget import AUTO, COMPUTE, inflation_terms, smallest_budget
-from ..kept_count.compute_budget import ComputeSignal, cheapest_kept_count
-from .diagnostics import batch_metrics, rank_sums
-from .layout import kept_multiple, layout_of
 
 
 # ---------------------------------------------------------------------------------------------------- loss types
@@ -133,51 +127,30 @@ class PlanSettings:
     """The configuration fields the plan reads (`from_args` takes them from a `CostAwareGRPOConfig`)."""
 
     loss_type: str = "grpo"
-    kept_fraction: float | str | None = 0.5  # the config's default; None: the token budget alone chooses m
-    token_budget: float | None = None
-    budget_delta: float = 1.0
+    kept_fraction: float = 0.5
+    token_budget: float | None = None  # if set, replaces kept_fraction
     proxy: str = "advantage"
     smoothing: float = 0.1
-    draw: str = "systematic"
-    weight_normalization: str = "none"  # the config's default
-    weight_floor: float | None = None  # "recenter" (which can go negative) is floored at 0; None: no floor
-    weight_cap: float | None = None
+    weight_normalization: str = "none"
     steps_per_generation: int = 1
     zero_advantage_carries_gradient: bool = False
-    kept_multiple_of: int | None = None  # what m is rounded to (`layout.kept_multiple`); None: steps_per_generation
-
-    @property
-    def kept_multiple(self) -> int:
-        return self.kept_multiple_of or self.steps_per_generation
+    kept_multiple: int = 1  # what m is rounded to (`layout.kept_multiple`)
 
     def __post_init__(self):
         check_loss_type(self.loss_type)
-        if self.kept_fraction is None and self.token_budget is None:
-            raise ValueError("PlanSettings: kept_fraction=None needs a token_budget (the budget then chooses m)")
-        if self.kept_fraction in (AUTO, COMPUTE) and self.token_budget is not None:
-            raise ValueError(
-                f"PlanSettings: kept_fraction={self.kept_fraction!r} and token_budget both choose m; set one of them"
-            )
-        if self.weight_normalization == "recenter" and self.weight_floor is None:
-            object.__setattr__(self, "weight_floor", 0.0)  # weights stay non-negative
 
     @classmethod
-    def from_args(cls, args, zero_advantage_carries_gradient: bool) -> PlanSettings:
+    def from_args(cls, args, zero_advantage_carries_gradient: bool, kept_multiple: int) -> PlanSettings:
         return cls(
             loss_type=args.loss_type,
             kept_fraction=args.cost_aware_kept_fraction,
             token_budget=args.cost_aware_token_budget,
-            budget_delta=args.cost_aware_budget_delta,
             proxy=args.cost_aware_proxy,
             smoothing=args.cost_aware_smoothing,
-            draw=args.cost_aware_draw,
             weight_normalization=args.cost_aware_weight_normalization,
-            weight_cap=args.cost_aware_weight_cap,
             steps_per_generation=args.steps_per_generation,
             zero_advantage_carries_gradient=zero_advantage_carries_gradient,
-            kept_multiple_of=kept_multiple(
-                layout_of(args), args.steps_per_generation, args.gradient_accumulation_steps
-            ),
+            kept_multiple=kept_multiple,
         )
 
 
@@ -245,19 +218,14 @@ class AcceleratorCollective:
         return dict(zip(values, total, strict=True))
 
 
-# The "compute" rule's metrics (`_compute_count`), logged as their mean over ranks.
-RULE_METRICS = ("compute_rule_fallback", "compute_cost_ratio", "compute_within_share", "cost_fixed", "cost_per_token")
-
-
 # ---------------------------------------------------------------------------------------------------- output
 @dataclass
 class Plan:
     """What the trainer applies to its generation batch.
 
-    `indices` (m,) the kept rows (repeats possible with a multinomial draw); `factors` (m,) float64, the multiplier of
+    `indices` (m,) the kept rows; `factors` (m,) float64, the multiplier of
     each kept row's advantage; `filler` (m,) the kept slots outside the support (factor 0). `p` the sampling
     distribution, `eligible` the support, `draw` the draw itself (its design in `draw.probabilities`).
-    `rule_m` this rank's own count from the configured rule (before the cross-rank reduction and the cap);
     `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0), `global_filler` their
     filler flags. `kl_scale` the β multiplier
     of a batch-token loss (None otherwise; always > 0, and exactly 1 when the kept rows have no loss token);
@@ -269,7 +237,6 @@ class Plan:
     factors: torch.Tensor
     filler: torch.Tensor
     m: int
-    rule_m: int
     p: torch.Tensor
     eligible: torch.Tensor
     draw: Draw
@@ -281,55 +248,16 @@ class Plan:
     metrics: dict[str, float]
 
 
-def _kept_count(
-    rows: RowStats,
-    s: PlanSettings,
-    p,
-    eligible,
-    g,
-    collective: Collective,
-    signal: ComputeSignal | None,
-    metrics: dict,
-) -> tuple[int, int]:
-    """(m, this rank's rule count). The rule's count is reduced over ranks (largest for "auto" and "compute", so
-    every rank's choice is met; smallest otherwise) together with the eligible rows of the busiest rank, in one call.
-    "compute" writes its rule's metrics into `metrics` (this rank's values)."""
-    n, spg = len(rows), s.kept_multiple  # the layout's rounding of m (S for the even layout)
-    auto = s.kept_fraction in (AUTO, COMPUTE)
-    if s.kept_fraction == COMPUTE:
-        m_local = _compute_count(rows, s, p, g, signal or ComputeSignal(), metrics)
-    elif auto:
-        m_local = smallest_budget(g, p, s.budget_delta, spg, s.draw)[0]
-    elif s.token_budget is not None:
+def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, collective: Collective) -> int:
+    """m: this rank's count from the fraction or the token budget, reduced to the smallest over ranks together with
+    the eligible rows of the busiest rank (one call), then capped at what those rows need."""
+    n, unit = len(rows), s.kept_multiple
+    if s.token_budget is not None:
         m_local = kept_rows_for_token_budget(p, rows.costs, s.token_budget, n)
     else:
-        m_local = kept_row_count(n, s.kept_fraction, spg)
-    sign = 1 if auto else -1
-    signed_m, k_max = collective.max_ints([sign * m_local, int(eligible.sum())])
-    m = capped_kept_count(kept_row_count(n, sign * signed_m / n, spg), k_max, spg)
-    return m, m_local
-
-
-def _compute_count(rows: RowStats, s: PlanSettings, p, g, signal: ComputeSignal, metrics: dict) -> int:
-    """This rank's m under the "compute" rule (`compute_budget.cheapest_kept_count`): every row before the noise
-    scale has an estimate, the δ rule where it cannot be measured (`signal.available` False)."""
-    n = len(rows)
-    if not signal.available:
-        metrics["compute_rule_fallback"] = 1.0
-        return smallest_budget(g, p, s.budget_delta, s.kept_multiple, s.draw)[0]
-    fixed, per_token = signal.costs(float(rows.generated_tokens.sum()))
-    metrics["cost_fixed"], metrics["cost_per_token"] = fixed, per_token
-    if signal.rho is None:
-        metrics["compute_rule_fallback"] = 1.0
-        return n
-    tokens = rows.prompt_tokens + rows.completion_tokens
-    choice = cheapest_kept_count(
-        g, p, tokens, signal.rho, fixed, per_token, s.kept_multiple, s.draw, signal.within_share, signal.step_model
-    )
-    metrics["compute_rule_fallback"] = 0.0
-    metrics["compute_cost_ratio"] = choice.cost_ratio
-    metrics["compute_within_share"] = signal.within_share
-    return choice.m
+        m_local = kept_row_count(n, s.kept_fraction, unit)
+    negative_m, k_max = collective.max_ints([-m_local, int(eligible.sum())])
+    return capped_kept_count(kept_row_count(n, -negative_m / n, unit), k_max, unit)
 
 
 def plan_batch(
@@ -337,10 +265,8 @@ def plan_batch(
     settings: PlanSettings,
     generator: torch.Generator | None = None,
     collective: Collective | None = None,
-    signal: ComputeSignal | None = None,
 ) -> Plan:
-    """The plan of one generation batch (module docstring). Every rank must call it with the same `settings`;
-    `signal` (the run's measured noise scale and step costs) is read by the "compute" rule only."""
+    """The plan of one generation batch (module docstring). Every rank must call it with the same `settings`."""
     s, collective = settings, collective or SingleProcess()
     normaliser = check_loss_type(s.loss_type)
     n = len(rows)
@@ -349,27 +275,21 @@ def plan_batch(
     eligible = eligible_rows(advantages, loss_tokens, s.zero_advantage_carries_gradient)
     scores = sampling_scores(advantages, costs, s.proxy, rows.proxy_factors)
     p = sampling_distribution(scores, s.smoothing, support=eligible)
-    # The budget's proxy: only the rows that can carry gradient have G > 0 (a row hidden by the truncation mask has
-    # |A| > 0 but no loss token; counting it would make every m look infinitely noisy).
-    g = gradient_proxy(advantages, rows.proxy_factors) * eligible
-    rule_metrics: dict[str, float] = {}
-    m, rule_m = _kept_count(rows, s, p, eligible, g, collective, signal, rule_metrics)
+    m = _kept_count(rows, s, p, eligible, collective)
 
     filler_score = (loss_tokens > 0).double() / costs.double().clamp(min=1.0)
-    draw = draw_rows(p, m, s.draw, generator, filler=filler_score)
+    draw = draw_systematic(p, m, generator, filler=filler_score)
     filler = ~eligible[draw.indices]
 
     # Normalise over the kept non-filler slots of all ranks (every rank has m slots, so the concatenation is even),
     # centred at the design's expected mean weight w̄₀: each slot also carries 1/m of its rank's two design sums.
-    expected_sum, slots = design_weight_terms(draw.probabilities, eligible, m, s.draw)
+    expected_sum, slots = design_weight_terms(draw.probabilities, eligible, m)
     design = torch.tensor([expected_sum / m, slots / m], dtype=torch.float64).expand(m, 2)
     both = collective.cat(torch.cat([torch.stack([draw.weights.double(), filler.double()], dim=1), design], dim=1))
     all_weights, all_filler = both[:, 0], both[:, 1] > 0
     total_slots = float(both[:, 3].sum())
     center = float(both[:, 2].sum()) / total_slots if total_slots > 0 else 1.0
-    normalised, stats = normalize_weights(
-        all_weights[~all_filler], s.weight_normalization, s.weight_floor, s.weight_cap, center=center
-    )
+    normalised, stats = normalize_weights(all_weights[~all_filler], s.weight_normalization, center=center)
     global_weights = torch.zeros_like(all_weights)
     global_weights[~all_filler] = normalised
     factors = global_weights[collective.rank * m : (collective.rank + 1) * m].clone()
@@ -397,22 +317,10 @@ def plan_batch(
     )
     local["fillers"] = float(filler.sum())
     local["policy_tokens"] = float((rows.prompt_tokens + rows.completion_tokens)[draw.indices].sum())
-    # The step's predicted inflation (Σ_ranks numerator / Σ_ranks denominator), and the rule's metrics (mean over
-    # ranks): one sum for every rank, whatever its rule did.
-    local["inflation_num"], local["inflation_den"] = inflation_terms(g, p, m, s.draw)
-    if s.kept_fraction == COMPUTE:
-        for key in RULE_METRICS:
-            local[f"rule_{key}"] = rule_metrics.get(key, 0.0)
     total = collective.sum(local)
 
     metrics = batch_metrics(total)
     metrics["filler_row_fraction"] = total["fillers"] / total["draws"]
-    den = total["inflation_den"]
-    inflation = total["inflation_num"] / den if den > 0 else 0.0
-    metrics["budget_inflation"] = inflation  # ∞ only if a row that carries gradient could never be drawn
-    if s.kept_fraction == COMPUTE:
-        for key in RULE_METRICS:
-            metrics[key] = total[f"rule_{key}"] / collective.size
     metrics.update(stats.as_dict(prefix="weight_"))
     metrics["weight_center"] = center
     totals = {k: total[k] for k in ("rows", "kept", "rollout_tokens", "generated_tokens", "policy_tokens")}
@@ -421,7 +329,6 @@ def plan_batch(
         factors=factors,
         filler=filler,
         m=m,
-        rule_m=rule_m,
         p=p,
         eligible=eligible,
         draw=draw,

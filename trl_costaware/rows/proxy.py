@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from ..core.sampling import _clean
 from .plan import LOSS_NORMALISERS
+from .sampling import _clean
 
 # The loss types and their normalisers are defined once, in `plan.LOSS_NORMALISERS`. Row-mean types: the divisor Z_i
 # contains the row's own token count (Z_i ∝ L_i); every other type divides by a constant shared by the batch.

@@ -9,7 +9,6 @@ One role per module:
 - `compute`: what a run costs to a target from tokens and a phase split (baseline-step units), the break-even steps
   ratio;
 - `targets`: arms, the baseline's targets (its peak and 99% of it), tokens and wall time to reach them, savings;
-- `prediction`: what each arm's own response model predicted (`cost_aware_prompt_fraction`), from its logged rows;
 - `report` (markdown) and `plot` (PNG); `cli`: the command.
 
 Runs are grouped into arms (``--label``, ``--arm-by``, else the run's arm: ``baseline`` for ``cost_aware=False``,
@@ -38,7 +37,6 @@ from .compute import (
 from .curves import Curve, aggregate, first_crossing, raw_series, run_curve, smooth, smoothing_window
 from .noise import NO_CLAIM, NoiseCheck, baseline_improvement
 from .plot import X_LABELS, plot
-from .prediction import PREDICTION_KEYS, arm_predictions, run_predictions
 from .readers import (
     CompareError,
     RunHistory,
@@ -85,9 +83,6 @@ __all__ = [
     "step_cost",
     "token_weights",
     "NOT_REACHED",
-    "PREDICTION_KEYS",
-    "arm_predictions",
-    "run_predictions",
     "NO_CLAIM",
     "X_LABELS",
     "CompareError",

@@ -137,7 +137,6 @@ def format_report(result: Result) -> str:
             "whose steps to a target exceed this multiple of the baseline's costs more than the baseline. Change the "
             "split with --compute-split (e.g. cpu:0.55 for a measured update share of 55%)."
         )
-    lines += _prediction_lines(result)
     if claim:
         lines.append(
             f"saving = 1 − {x_word} to the target / the baseline arm's {x_word} to it (positive: fewer {x_word})."
@@ -159,48 +158,3 @@ def _measured_compute_ratio(arm: dict, targets) -> list[str]:
         else:
             out.append(NOT_REACHED if at.get("compute") is None else f"{at['compute'] / t.baseline_compute:.3g}")
     return out
-
-
-def _prediction_lines(result: Result) -> list[str]:
-    """The arms' own response model (`prediction`) beside their measured compute to each target; nothing when no
-    arm logged a prediction."""
-    arms = [a for a in result.arms if a.get("predictions")]
-    if not arms:
-        return []
-
-    def cell(p: dict, key: str, digits: int = 3) -> str:
-        return fmt_num(p[key]["mean"], digits) if key in p else "n/a"
-
-    fr = result.targets
-    head = ["arm", "prompt fraction", "predicted steps", "predicted compute"]
-    head += [f"measured compute to {target_name(t.fraction)}" for t in fr]
-    head += ["predicted compute, half", "predicted compute, quarter", "fallback share"]
-    rows = []
-    for a in arms:
-        p = a["predictions"]
-        measured = _measured_compute_ratio(a, fr) if result.claim else [NO_CLAIM] * len(fr)
-        rows.append(
-            [
-                a["arm"],
-                cell(p, "prompt_fraction"),
-                cell(p, "predicted_step_ratio"),
-                cell(p, "predicted_compute_ratio"),
-                *measured,
-                cell(p, "predicted_compute_half"),
-                cell(p, "predicted_compute_quarter"),
-                cell(p, "prompt_rule_fallback", 2),
-            ]
-        )
-    return [
-        "",
-        "The arms' own response model (cost_aware_prompt_fraction; means over each run's generation batches, runs "
-        "averaged):",
-        "",
-        _markdown(head, rows),
-        "",
-        "predicted steps / compute = the run's prediction for the prompt fraction it chose, relative to generating "
-        "for every prompt of its batch; measured compute = its compute to the target over the baseline arm's (the "
-        "same quantity when the baseline is that run's full batch). predicted compute, half / quarter = what the run "
-        "predicted half or a quarter of its prompts would cost; fallback share = the share of generation batches on "
-        "which the rule had no usable estimate and generated for every prompt.",
-    ]

@@ -15,7 +15,6 @@ from ..names import BASELINE_ARM, COST_AWARE_ARM
 from .compute import GPU_VERL, Split, TokenWeights, token_weights
 from .curves import COMPUTE_KEY, Curve, aggregate, first_crossing, raw_series, run_curve, smoothing_window
 from .noise import NoiseCheck, baseline_improvement
-from .prediction import arm_predictions
 from .readers import CompareError, RunHistory, canonical_key, canonical_x, default_arm, duplicated_steps
 
 DEFAULT_METRIC = "reward"
@@ -301,7 +300,6 @@ def compare_runs(
         costs = [c for c in (_step_cost(r) for r in members) if c is not None]
         s["compute_per_step"] = float(np.mean(costs)) if costs else None
         s["break_even_steps_ratio"] = 1.0 / s["compute_per_step"] if costs else None
-        s["predictions"] = arm_predictions(members)
         arm_rows.append(s)
     arm_rows.sort(key=lambda r: (r["arm"] != base_label, r["arm"]))
     run_rows.sort(key=lambda r: (r["arm"] != base_label, r["arm"], str(r["seed"]), r["name"]))

@@ -1,6 +1,6 @@
 """The cost-aware sampling core: pure torch, no trainer in sight.
 
-Notation (docs/algorithm.md §1–2). A generation batch holds N rollouts; rollout i has a gradient-norm proxy
+Notation (docs/algorithm.md). A generation batch holds N rollouts; rollout i has a gradient-norm proxy
 g_i = |A_i| (its advantage) and a cost c_i (tokens). We keep m < N rows for the policy update, drawn from a
 distribution p, and weight each kept row so that
 
@@ -18,10 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-PROXIES = ("advantage", "loss_aware", "uniform", "inverse_sqrt_cost", "inverse_cost")
+PROXIES = ("advantage", "loss_aware", "uniform")
 COST_KINDS = ("prompt_completion", "completion")
-DRAW_SCHEMES = ("systematic", "multinomial")
-WEIGHT_NORMALIZATIONS = ("none", "recenter", "self_normalize")
+WEIGHT_NORMALIZATIONS = ("none", "recenter")
 
 # Costs are clamped to at least one token: an empty completion still costs a forward position, and a zero cost
 # would make g/√c infinite.
@@ -94,9 +93,7 @@ def sampling_scores(
     - "advantage":          s_i = |A_i| / √c_i        (the method: p* ∝ G_i/√c_i with G_i ≈ |A_i|)
     - "loss_aware":         s_i = |A_i| · h_i / √c_i  (G_i ≈ |A_i| h_i, h_i = `row_factors` from `proxy.row_factor`:
                                                        the loss type's normaliser and the row's length; needs them)
-    - "uniform":            s_i = 1                   (ablation: plain subsampling)
-    - "inverse_sqrt_cost":  s_i = 1 / √c_i            (ablation: cost only, G_i assumed equal)
-    - "inverse_cost":       s_i = 1 / c_i             (ablation: the popular summary; no gain when G_i are equal)
+    - "uniform":            s_i = 1                   (plain subsampling of the support, the arm to compare against)
 
     Rows with A_i = 0 (or NaN) get s_i = 0 under "advantage" and "loss_aware": they carry no policy gradient.
     """
@@ -109,11 +106,7 @@ def sampling_scores(
         return gradient_proxy(advantages, row_factors) / costs.sqrt()
     if proxy == "advantage":
         return gradient_proxy(advantages) / costs.sqrt()
-    if proxy == "uniform":
-        return torch.ones_like(costs)
-    if proxy == "inverse_sqrt_cost":
-        return costs.rsqrt()
-    return costs.reciprocal()
+    return torch.ones_like(costs)
 
 
 def eligible_rows(
@@ -204,25 +197,11 @@ def inclusion_probabilities(p: torch.Tensor, m: int, filler: torch.Tensor | None
 
 @dataclass
 class Draw:
-    """A draw of m rows. `indices` may repeat (multinomial); `weights[k]` belongs to `indices[k]`."""
+    """A draw of m distinct rows; `weights[k]` belongs to `indices[k]`."""
 
     indices: torch.Tensor  # (m,) long
     weights: torch.Tensor  # (m,) float64, the unbiasing weights before normalisation
-    probabilities: torch.Tensor  # (N,) p or π, the design the weights came from
-
-
-def draw_multinomial(p: torch.Tensor, m: int, generator: torch.Generator | None = None) -> Draw:
-    """m i.i.d. draws from p (with replacement), Hansen–Hurwitz weights w = 1 / (N p_i) per draw.
-
-    E[(1/m) Σ_k w_{i_k} L_{i_k}] = Σ_i p_i L_i / (N p_i) = (1/N) Σ_i L_i.
-    """
-    n = p.numel()
-    if m <= 0:
-        raise ValueError(f"m must be positive, got {m}")
-    p = p.double()
-    idx = torch.multinomial(p.cpu(), m, replacement=True, generator=generator).to(p.device)
-    weights = 1.0 / (n * p[idx])
-    return Draw(indices=idx, weights=weights, probabilities=p)
+    probabilities: torch.Tensor  # (N,) the inclusion probabilities π the weights came from
 
 
 def draw_systematic(
@@ -248,22 +227,6 @@ def draw_systematic(
     return Draw(indices=idx, weights=weights, probabilities=pi)
 
 
-def draw_rows(
-    p: torch.Tensor,
-    m: int,
-    scheme: str = "systematic",
-    generator: torch.Generator | None = None,
-    filler: torch.Tensor | None = None,
-) -> Draw:
-    """Dispatch to `draw_systematic` (without replacement; `filler` as in `inclusion_probabilities`) or
-    `draw_multinomial` (with replacement)."""
-    if scheme == "systematic":
-        return draw_systematic(p, m, generator, filler)
-    if scheme == "multinomial":
-        return draw_multinomial(p, m, generator)
-    raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
-
-
 @dataclass
 class WeightStats:
     mean: float
@@ -272,7 +235,6 @@ class WeightStats:
     ess: float  # effective sample size (Σw)² / Σw²
     ess_fraction: float  # ESS / number of weights
     frac_floored: float
-    frac_capped: float
 
     def as_dict(self, prefix: str = "") -> dict[str, float]:
         return {f"{prefix}{k}": float(v) for k, v in self.__dict__.items()}
@@ -287,58 +249,44 @@ def effective_sample_size(w: torch.Tensor) -> float:
     return float(w.sum() ** 2 / sq) if sq > 0 else 0.0
 
 
-def design_weight_terms(
-    probabilities: torch.Tensor, support: torch.Tensor, m: int, scheme: str = "systematic"
-) -> tuple[float, float]:
+def design_weight_terms(probabilities: torch.Tensor, support: torch.Tensor, m: int) -> tuple[float, float]:
     """(E[Σ w], K): one rank's expected sum of the unbiasing weights over its kept non-filler slots, and the number K
     of those slots. Their sums over ranks give the centre of the normalised weights (`normalize_weights`):
 
         w̄₀ = Σ_ranks E[Σ w] / Σ_ranks K   = E[mean of the kept non-filler weights of all ranks].
 
     For a draw of m slots from N rows, support S (the rows that can carry gradient, `eligible_rows`; a slot on a row
-    outside S is a filler, weight 0, outside every mean) and S⁺ = {i ∈ S : π_i > 0} the rows that can be drawn:
+    outside S is a filler, weight 0, outside every mean) and S⁺ = {i ∈ S : π_i > 0} the rows that can be drawn
+    (`probabilities` = π, w_i = m / (N π_i)): row i is kept with probability π_i, so
 
-    - systematic (`probabilities` = π, w_i = m / (N π_i)): row i is kept with probability π_i, so
-          E[Σ_{kept, i∈S} w_i] = Σ_{i∈S⁺} π_i · m / (N π_i) = m |S⁺| / N,     K = Σ_{i∈S} π_i;
-    - multinomial (`probabilities` = p, w = 1 / (N p_i) per draw): row i is drawn m p_i times on average, so
-          E[Σ w] = Σ_{i∈S⁺} m p_i / (N p_i) = m |S⁺| / N,                     K = m Σ_{i∈S} p_i.
+        E[Σ_{kept, i∈S} w_i] = Σ_{i∈S⁺} π_i · m / (N π_i) = m |S⁺| / N,     K = Σ_{i∈S} π_i.
 
-    K is not random: a multinomial draw from p puts every slot in S (p = 0 outside S unless S is empty: then K = 0);
-    a systematic draw keeps m rows of S when |S⁺| ≥ m, and otherwise every row of S (π = 1) plus m − |S| fillers,
-    K = |S|. So E[mean] = E[Σ w] / K exactly, on one rank and over ranks. On one rank: w̄₀ = |S⁺|/N when |S⁺| ≥ m,
-    and m/N (every kept weight is exactly m/N) when fewer rows than m can be drawn. It is 1 only when every row can
-    be drawn: rows with A = 0 or no loss token have π = 0, so E[mean w] = |S⁺|/N < 1, and weights centred at 1 would
-    multiply the policy gradient by ≈ N/|S⁺|.
+    K is not random: the draw keeps m rows of S when |S⁺| ≥ m, and otherwise every row of S (π = 1) plus m − |S|
+    fillers, K = |S|. So E[mean] = E[Σ w] / K exactly, on one rank and over ranks. On one rank: w̄₀ = |S⁺|/N when
+    |S⁺| ≥ m, and m/N (every kept weight is exactly m/N) when fewer rows than m can be drawn. It is 1 only when every
+    row can be drawn: rows with A = 0 or no loss token have π = 0, so E[mean w] = |S⁺|/N < 1, and weights centred at 1
+    would multiply the policy gradient by ≈ N/|S⁺|.
     """
-    if scheme not in DRAW_SCHEMES:
-        raise ValueError(f"draw scheme must be one of {DRAW_SCHEMES}, got {scheme!r}")
     probs = _clean(probabilities).double().clamp(min=0.0)
     inside = support.to(torch.bool).to(probs.device)
     n = probs.numel()
     drawable = int((inside & (probs > 0)).sum())
-    slots = float(probs[inside].sum()) * (m if scheme == "multinomial" else 1)
+    slots = float(probs[inside].sum())
     return m * drawable / n, slots
 
 
 def normalize_weights(
-    weights: torch.Tensor,
-    method: str = "none",
-    floor: float | None = None,
-    cap: float | None = None,
-    center: float = 1.0,
+    weights: torch.Tensor, method: str = "none", center: float = 1.0
 ) -> tuple[torch.Tensor, WeightStats]:
     """Normalise importance weights over the kept set (pass the weights of *all* ranks for a global normalisation).
 
-    - "none":            w̃ = w                          (unbiased)
-    - "recenter":        w̃ = w − mean(w) + w̄₀          (mean w̄₀; can go negative, hence the floor)
-    - "self_normalize":  w̃ = w · w̄₀ / mean(w)          (mean w̄₀; ratio estimator, slightly biased)
+    - "none":      w̃ = w                                (unbiased)
+    - "recenter":  w̃ = max(0, w − mean(w) + w̄₀)         (mean w̄₀ before the floor; biased by O(1/m))
 
     with w̄₀ = `center`, the design's expected mean weight (`design_weight_terms`: |S⁺|/N on one rank, 1 only when
-    every row can be drawn), so that both keep E[mean w̃] = E[mean w] and the gradient's scale. Then
-    w̃ ← max(w̃, floor) if floor is set and w̃ ← min(w̃, cap) if cap is set. The floor also applies when a recentred
-    weight would be negative; the fraction of weights moved by the floor and by the cap is reported.
-    Returns (w̃, stats); non-finite inputs are treated as 0. "self_normalize" with a mean ≤ 0, or one so small against
-    the weights that w / mean is not finite, gives every weight w̄₀.
+    every row can be drawn), so that recentring keeps E[mean w̃] ≈ E[mean w] and the gradient's scale. A negative
+    weight would flip the sign of a row's advantage, which no reweighting of TRL's clipped surrogate allows: the
+    fraction floored at 0 is reported. Returns (w̃, stats); non-finite inputs are treated as 0.
     """
     if method not in WEIGHT_NORMALIZATIONS:
         raise ValueError(f"weight normalisation must be one of {WEIGHT_NORMALIZATIONS}, got {method!r}")
@@ -346,24 +294,12 @@ def normalize_weights(
         raise ValueError(f"the weights' centre must be finite and non-negative, got {center}")
     w = _clean(weights).double()
     if w.numel() == 0:
-        return w, WeightStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    mean = w.mean()
-    if method == "recenter":
-        w = w - mean + center
-    elif method == "self_normalize":
-        # w / mean first: center / mean overflows for a subnormal mean (w / mean ≤ n for non-negative weights); a
-        # ratio that still is not finite (a mean that vanishes against weights of both signs) is as degenerate as a
-        # mean ≤ 0, and gets the uniform centre
-        scaled = w / mean * center if mean > 0 else None
-        w = scaled if scaled is not None and bool(torch.isfinite(scaled).all()) else torch.full_like(w, center)
+        return w, WeightStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     floored = torch.zeros_like(w, dtype=torch.bool)
-    capped = torch.zeros_like(w, dtype=torch.bool)
-    if floor is not None:
-        floored = w < floor
-        w = w.clamp(min=floor)
-    if cap is not None:
-        capped = w > cap
-        w = w.clamp(max=cap)
+    if method == "recenter":
+        w = w - w.mean() + center
+        floored = w < 0
+        w = w.clamp(min=0.0)
     ess = effective_sample_size(w)
     stats = WeightStats(
         mean=float(w.mean()),
@@ -372,7 +308,6 @@ def normalize_weights(
         ess=ess,
         ess_fraction=ess / w.numel(),
         frac_floored=float(floored.double().mean()),
-        frac_capped=float(capped.double().mean()),
     )
     return w, stats
 
