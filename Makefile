@@ -96,9 +96,8 @@ clean:
 BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 QUICK ?=
 
-.PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime bench-noise \
-	bench-batch-shapes bench-profile profile \
-	bench-response bench-prompt-count bench-prompt-count-probe bench-noise-probe
+.PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime \
+	bench-batch-shapes bench-profile profile
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -128,32 +127,6 @@ bench-token-efficiency: $(STAMP)
 REGIME_ARGS ?=
 bench-regime: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/regime_matrix.py $(if $(QUICK),--smoke,) $(REGIME_ARGS)
-
-# The "compute" rule's premises (BENCHMARKS.md §8): the gradient noise scale at each regime-matrix cell's start (lr 0)
-# against the steps' measured response to halving the batch (needs the matrix's runs), and the noise a row sample
-# really adds against the inflation I(m) the rules predict.
-# How do the steps respond to fewer prompts or rows per step, and which model predicts it? (§10.1, issue 39)
-bench-response: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/response_model.py --noise --runs
-	$(BENCH_ENV) $(BIN)/python benchmarks/response_model.py --runs --arms grpo,grpo_pmeasure
-
-# The prompt count's arms and the "auto" rule against GRPO and today's default (§10.2, issue 39; after bench-response)
-bench-prompt-count: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_count_matrix.py --runs
-
-# The same with the noise probe (§10.4): the arms the rerun used, in their own folder, then the tables
-PROBE_ARMS ?= grpo,cost_aware_0.5,cost_aware_0.5_pauto,cost_aware_compute_pauto,cost_aware_0.5_p0.25,cost_aware_0.5_p0.5,cost_aware_0.5_pauto_step55
-bench-prompt-count-probe: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/prompt_count_matrix.py --runs --arms $(PROBE_ARMS) \
-		--out outputs/bench/prompt_count_probe --tag prompt_count_probe
-
-# The noise probe's ρ and within-group share per cell, and item 1's step ratios predicted from them (§10.4)
-bench-noise-probe: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/noise_probe_check.py --runs
-
-bench-noise: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py
-	$(BENCH_ENV) $(BIN)/python benchmarks/noise_scale_check.py --inflation default,long --steps 40
 
 # Does the update's compute fall with the kept tokens at every micro-batch size, under each layout and backend
 # (docs/layout.md)? BACKEND: single, ddp, zero2, zero3 (2 CPU processes); results merge into batch_shapes.{json,md}.
