@@ -1,7 +1,7 @@
 """Baselines of the token-efficiency benchmark: other rules for which rows of a GRPO generation batch to train on.
 
 Each is a pure row-selection function (formula in the docstring) and a thin `CostAwareGRPOTrainer` subclass that
-plugs it into the trainer's hook `_draw_kept_rows(batch) -> (indices, factors)`: the trainer trains on the rows
+plugs it into the trainer's hook `_draw_kept_rows(batch) -> Plan(indices, factors)`: the trainer trains on the rows
 `indices` with their advantages multiplied by `factors` (and runs the deferred log-prob passes on those rows only),
 exactly as for the cost-aware draw, so every arm is counted (policy tokens, wall time) by the same code.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from trl_costaware import CostAwareGRPOTrainer
-from trl_costaware.rows.plan import LOSS_NORMALISERS
+from trl_costaware.rows.plan import LOSS_NORMALISERS, Plan
 
 
 # ==================================================================================================== pure rules
@@ -118,7 +118,7 @@ class ZeroAdvantageFilterTrainer(_RowRuleTrainer):
         costs = self._host_row_stats(batch)["rollout_lengths"]
         kept = zero_advantage_filter(advantages, self.args.steps_per_generation, costs)
         self._bookkeeping(batch, kept)
-        return kept, torch.ones(len(kept))
+        return Plan(kept, torch.ones(len(kept)))
 
 
 class MaxVarianceTrainer(_RowRuleTrainer):
@@ -151,4 +151,4 @@ class MaxVarianceTrainer(_RowRuleTrainer):
             )
         factors = torch.cat(factors).float() * self._full_over_kept_tokens(batch, kept)
         self._bookkeeping(batch, kept)
-        return kept, factors
+        return Plan(kept, factors)

@@ -1,20 +1,7 @@
 """`CostAwareGRPOTrainer`: GRPO that trains on a cost-aware sample of each generation batch.
 
 Mohri, Globerson, Kaplan, Koren, Mansour, "Cost-Aware Learning", arXiv 2604.28020 (2026); the method as built here is
-stated in docs/algorithm.md.
-
-The trainer overrides little: it calls `GRPOTrainer`'s methods and post-processes what they return. Some TRL logic is
-re-derived rather than called, because TRL has no helper for it, with drift guards that fail the suite when TRL
-changes: the reference-model branch of the deferred log-prob pass and TRL's condition for running its old-policy and
-reference passes (`deferred.py`; tests/test_trainer.py::test_deferred_logps_match_trls_by_value,
-tests/test_trainer_review.py::test_deferred_pass_condition_is_trls), and the vLLM importance-sampling ratio
-(`vllm_ratio.py`; tests/test_vllm.py compares it with TRL's own, row by row and mode by mode). The reductions over
-ranks of TRL's five vLLM metrics are transcribed from TRL 1.16 (`vllm_ratio.vllm_metrics`, tested against that
-transcription, not against TRL's running code).
-
-Per generation batch it gathers the rows' statistics on the host, calls
-`plan.plan_batch` once (the whole decision: eligibility, distribution, m, draw, weights, factors, metrics) and applies
-the plan. The math lives in `sampling.py`, `budget.py`, `proxy.py`; the batch layout in `batching.py`.
+stated in docs/algorithm.md, the path of one generation batch in docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -22,27 +9,41 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from contextlib import nullcontext
 
 import torch
 from transformers import AutoProcessor, ProcessorMixin
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import use_adapter
 
 from .config import CostAwareGRPOConfig, resolve_cost_fn
-from .rows.batching import row_lengths, select_rows, trim_to_longest
-from .rows.deferred import DEFERRED_KEYS, DeferredLogProbPasses
-from .rows.layout import kept_multiple, micro_token_factor
-from .rows.packed import NOOP_KEY, PackedLayout
+from .rows.batching import noop_micro_batch, row_lengths, select_rows, trim_to_longest
+from .rows.deferred import DEFERRED_KEYS, VLLM_METRICS, deferred_passes, placeholder_passes, ratio_stats
+from .rows.layout import kept_multiple, layout_for, micro_token_factor
+from .rows.packed import (
+    BETA_SCALE_KEY,
+    METRIC_WEIGHTS_KEY,
+    NOOP_KEY,
+    noop_skippable,
+    pack_buffer,
+    token_weighted_means,
+)
 from .rows.plan import (
     AcceleratorCollective,
+    Plan,
     PlanSettings,
     RowStats,
     SingleProcess,
     check_loss_type,
+    float64_bits,
     plan_batch,
+    to_float64,
 )
 from .rows.proxy import DEFAULT_GAMMA, row_factor
 from .rows.sampling import sequence_costs, stream_generator
+from .rows.vllm_ratio import combine_ratio_stats, vllm_importance_sampling_ratio, vllm_metrics
 from .tracking.callbacks import attach_tracking, validate_report_to
 from .tracking.launch import duplicated_launch
 
@@ -82,21 +83,31 @@ def host_floats(values: list) -> list[float]:
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
-class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
+class CostAwareGRPOTrainer(GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
     After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
     probability ∝ |A_i|/√c_i (smoothed with the uniform distribution), multiplies each kept row's advantage by its
     importance weight (a positive per-row factor scales every TRL loss type's policy term exactly), and hands the kept
     rows back to TRL. TRL shuffles and splits them; the trainer then replaces TRL's micro-batches by its layout
-    (`self._layout`, from `cost_aware_layout`; docs/layout.md): "packed" (the default) puts each optimizer step's
-    kept rows, sorted by length, in as few micro-batches as they need and makes the step's other micro-steps no-ops;
-    "even" keeps TRL's split (m/S rows per micro-step). Dropped rows cost nothing after generation: the old-policy and
-    reference log-probabilities (and, with vLLM, the importance-sampling ratio) are computed for kept rows only, per
-    micro-batch, and each micro-batch is trimmed to its longest row.
+    (`self._layout`, docs/layout.md): "packed" puts each optimizer step's kept rows, sorted by length, in as few
+    micro-batches as they need and makes the step's other micro-steps no-ops; "even" (with an entropy bonus or a
+    router aux loss, which packing would re-weight) keeps TRL's split. Dropped rows cost nothing after generation:
+    the old-policy and reference log-probabilities (and, with vLLM, the importance-sampling ratio) are computed for
+    kept rows only, per micro-batch, and each micro-batch is trimmed to its longest row.
 
-    Args: those of `GRPOTrainer.__init__`, with the same defaults (tests/test_compat.py checks it); `args` must be a
-    [`CostAwareGRPOConfig`] (a plain `GRPOConfig` is rejected).
+    The TRL hooks it overrides, each calling `super()` and post-processing:
+    - `_generate_and_score_completions`: defers the old/reference passes while TRL scores (`deferred.placeholder_
+      passes`), then draws the kept rows (`_draw_kept_rows` → `plan.plan_batch`) and weights their advantages;
+    - `_prepare_inputs`: lays out each new buffer once (`_process_new_buffer`: packing, trimming, deferred passes);
+    - `_compute_loss`: no-op micro-steps, and the one place β is scaled (packed micro-batches, batch-token losses);
+    - `_clip_grad_norm`: logs whether the gradient was clipped;
+    - `log`: the cumulative token counters and token-weighted metric means;
+    - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the sampler's streams and counters, so a resumed run
+      draws what the uninterrupted one would.
+
+    Args: those of `GRPOTrainer.__init__`, with the same defaults; `args` must be a [`CostAwareGRPOConfig`] (a plain
+    `GRPOConfig` is rejected).
     """
 
     _tag_names = ["trl", "grpo", "cost-aware"]
@@ -175,7 +186,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
         # The stream states at the start of the buffer being trained on: a checkpoint inside it saves these, since TRL
         # regenerates that buffer on resume and its draw must then use the stream the interrupted draw used.
         self._buffer_start_streams = None
-        self._check_layout()
+        self._layout = layout_for(args, bool(self.aux_loss_enabled)) if args.cost_aware else "even"
         self._packed_metric_weights = []  # the packed micro-batches' metric weights since the last train log
 
     # ------------------------------------------------------------------ generation batch: sample the rows
@@ -187,19 +198,14 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
             batch = super()._generate_and_score_completions(inputs)
             self._record_generation(batch)
             return batch
-        with self._deferred_log_prob_passes():
+        with placeholder_passes(self):
             batch = super()._generate_and_score_completions(inputs)
         for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
             batch.pop(key, None)
-        self._batch_plan, self._batch_rows = None, None
-        kept, factors = self._draw_kept_rows(batch)  # host tensors
-        plan, rows = self._batch_plan, self._batch_rows
-        own = plan is not None and torch.equal(kept, plan.indices)
-        self._kept_host = (
-            {k: rows[k][kept] for k in ("prompt_tokens", "completion_tokens", "loss_tokens")} if own else None
-        )
-        if not own:
-            self._batch_plan = None
+        plan = self._draw_kept_rows(batch)  # host tensors
+        kept, factors = plan.indices, plan.factors
+        self._batch_plan = plan if plan.totals is not None else None  # None: a row rule of a subclass's own
+        self._kept_host = plan.kept_stats
         advantages = batch["advantages"]
         batch = select_rows(batch, kept)  # host indices index the device tensors directly
         batch["advantages"] = batch["advantages"] * factors.to(device=advantages.device, dtype=advantages.dtype)
@@ -270,24 +276,23 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
             return SingleProcess()
         return AcceleratorCollective(self.accelerator, device)
 
-    def _draw_kept_rows(self, batch):
-        """The kept rows of this rank's generation batch and their advantage factors, both on the host: gathers the
-        rows' statistics, calls `plan.plan_batch` once, logs its metrics and counters. (Subclasses may replace it
-        with another row rule returning the same pair; the plan-only corrections then do not apply.)"""
+    def _draw_kept_rows(self, batch) -> Plan:
+        """The plan of this rank's generation batch (kept rows and their advantage factors, on the host): gathers the
+        rows' statistics, calls `plan.plan_batch` once, logs its metrics and counters. A subclass may replace it with
+        another row rule returning `Plan(indices, factors)`; the plan-only corrections then do not apply."""
         rows = self._host_row_stats(batch)
         args = self.args
         unit = kept_multiple(self._layout, args.steps_per_generation, args.gradient_accumulation_steps)
         settings = PlanSettings.from_args(args, self._zero_advantage_carries_gradient, unit)
         collective = self._collective(batch["advantages"].device)
         plan = plan_batch(rows, settings, self._sampler_generator, collective)
-        self._batch_plan, self._batch_rows = plan, rows
         metrics = self._metrics["train"]
         for key, value in plan.metrics.items():
             metrics[f"cost_aware/{key}"].append(value)
         t = plan.totals
         self._add_totals(t["rows"], t["kept"], t["rollout_tokens"], t["generated_tokens"])
         self._cost_aware_totals["policy_tokens"] += self.num_iterations * t["policy_tokens"]
-        return plan.indices, plan.factors
+        return plan
 
     @staticmethod
     def _loss_mask(batch):
@@ -341,16 +346,17 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
 
     def _process_new_buffer(self):
         """Runs once per generation batch, when TRL has just split it into micro-batches (before any update): the
-        layout (`cost_aware_layout`: packed by `_pack_buffer`, or TRL's even split with optional length grouping),
-        trimming, the loss type's per-micro-batch corrections and the deferred passes; replaces TRL's buffer by the
-        result (one entry per micro-step position)."""
+        layout (packed by `packed.pack_buffer`, or TRL's even split), trimming, the loss type's per-micro-batch
+        corrections and the deferred passes; replaces TRL's buffer by the result (one entry per micro-step
+        position)."""
         chunks = list(self._buffered_inputs)
         host, plan = self._kept_host, self._batch_plan
         kept_batch, self._kept_batch = self._kept_batch, None
-        packed = self.args.cost_aware and kept_batch is not None and self._layout == "packed"
-        extras = None
-        if packed:
-            chunks, extras = self._pack_buffer(kept_batch, chunks, host, plan)
+        if self.args.cost_aware and kept_batch is not None and self._layout == "packed":
+            chunks = self._packed_chunks(kept_batch, chunks, host, plan)
+            for c in chunks:
+                if not c.get(NOOP_KEY):
+                    self._compute_deferred_logps(c)
         elif self.args.cost_aware:
             positions = [c.get("cost_aware_rows") for c in chunks]
             known = host is not None and all(p is not None for p in positions)
@@ -368,14 +374,11 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
                 c.pop("cost_aware_rows", None)
                 self._compute_deferred_logps(c)
         real = [c for c in chunks if not c.get(NOOP_KEY)]
-        if extras is not None:
-            for c, extra in zip(real, extras, strict=True):
-                c.update(extra)  # after the deferred passes and the batching functions (unknown keys there)
         self._buffer_kl_scale = plan.kl_scale if plan is not None else None
         self._buffered_inputs = self._processed_buffer = chunks
         passes = self.num_iterations  # each micro-batch is trained on once per iteration
         # Tokens through the model with gradients on (shapes: no transfer); a no-op counts where it runs the model.
-        counted = real if self._noop_skippable_backend else chunks
+        counted = real if noop_skippable(self.accelerator) else chunks
         padded = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in counted)
         local = {"policy_tokens_padded": passes * padded}
         if self.args.cost_aware:
@@ -393,18 +396,175 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
             for key, value in self._sum_over_ranks(local, device).items():
                 self._cost_aware_totals[key] += value
 
+    def _packed_chunks(self, kept_batch, chunks, host, plan) -> list[dict]:
+        """`packed.pack_buffer` on this buffer: rows are assigned to optimizer steps in TRL's shuffled order (the
+        chunks' kept positions, then the m mod S rows TRL's split left out, the whole order then shuffled with the
+        grouping stream); lengths from the plan's host statistics (a subclass's own draw: one transfer each)."""
+        m = len(kept_batch["cost_aware_rows"])
+        seen = [i for c in chunks for i in c["cost_aware_rows"]]
+        missing = sorted(set(range(m)) - set(seen))
+        order = seen + missing
+        if missing:
+            order = [order[i] for i in torch.randperm(m, generator=self._grouping_generator).tolist()]
+        widths = None
+        if host is not None:
+            widths = (host["prompt_tokens"].tolist(), host["completion_tokens"].tolist())
+            lengths = (host["prompt_tokens"] + host["completion_tokens"]).tolist()
+            loss_tokens = host["loss_tokens"].tolist()
+        else:
+            lengths = row_lengths(kept_batch).cpu().tolist()
+            loss_tokens = self._loss_mask(kept_batch).sum(-1).cpu().tolist()
+        return pack_buffer(
+            kept_batch,
+            order,
+            lengths,
+            loss_tokens,
+            loss_type=self.loss_type,
+            steps_per_generation=self.args.steps_per_generation,
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            capacity=self.args.per_device_train_batch_size,
+            fill=noop_skippable(self.accelerator),
+            noop=self._noop_micro_batch(kept_batch),
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            widths=widths,
+            micro_tokens_full=plan.micro_tokens_full if plan is not None else None,
+        )
+
+    def _noop_micro_batch(self, kept_batch):
+        """A no-op micro-step's batch (`batching.noop_micro_batch`: 1 row, 1 prompt token, 1 completion token the loss
+        does not see, advantage 0), with what TRL's loss reads besides: a reference log-prob when β ≠ 0 (−1e4: the
+        KL term exp(ref − logp) − (ref − logp) − 1 stays finite whatever the policy's log-prob, and the mask zeroes
+        it) and a unit importance-sampling ratio under vLLM's correction."""
+        noop = noop_micro_batch(kept_batch)
+        device = noop["completion_ids"].device
+        if self.beta != 0.0:
+            noop["ref_per_token_logps"] = torch.full((1, 1), -1e4, device=device)
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            noop["importance_sampling_ratio"] = torch.ones((1, 1), device=device)
+        noop[NOOP_KEY] = True
+        return noop
+
+    def _compute_deferred_logps(self, chunk):
+        """The old-policy / reference log-probs of one kept micro-batch, computed on the very tensors `_compute_loss`
+        feeds the policy pass (same rows, padding, width and batch), so that at the first micro-step the ratio is
+        exactly 1 in any precision; with vLLM's correction, its importance-sampling ratio from them.
+
+        The reference branch mirrors TRL's (`GRPOTrainer._generate_and_score_completions`, which has no helper for it):
+        the reference model when there is one, else the PEFT model with adapters disabled, or with the adapter "ref"
+        when TRL loaded an initial copy under that name."""
+        vllm_is = self.use_vllm and self.vllm_importance_sampling_correction
+        args = self.args
+        has_old, has_ref = deferred_passes(
+            args.gradient_accumulation_steps, args.steps_per_generation, self.num_iterations, vllm_is, self.beta
+        )
+        if not (has_old or has_ref):
+            return
+        ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)
+        mask = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)
+        width = chunk["completion_ids"].size(1)
+        with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
+            if has_old:
+                chunk["old_per_token_logps"] = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]
+            if has_ref:
+                if self.ref_model is not None:
+                    ref_model, context = self.ref_model, nullcontext()
+                else:
+                    unwrapped = self.accelerator.unwrap_model(self.model)
+                    ref_model = self.model
+                    context = use_adapter(unwrapped, adapter_name="ref" if "ref" in unwrapped.peft_config else None)
+                with context:
+                    chunk["ref_per_token_logps"] = self._get_per_token_logps_and_entropies(
+                        ref_model, ids, mask, width
+                    )[0]
+        if vllm_is:
+            chunk["importance_sampling_ratio"] = vllm_importance_sampling_ratio(
+                chunk["old_per_token_logps"],
+                chunk["sampling_per_token_logps"],
+                self._loss_mask(chunk),
+                mode=self.vllm_importance_sampling_mode,
+                clip_min=self.vllm_importance_sampling_clip_min,
+                clip_max=self.vllm_importance_sampling_clip_max,
+            )
+
+    def _log_vllm_ratio(self, chunks, local, device):
+        """TRL's five vLLM metrics over the kept rows, reduced over ranks as TRL reduces them (`vllm_metrics`: means
+        of per-rank means, extremes of per-rank extremes; their latest values, appended by TRL from the placeholder,
+        are replaced), with the buffer's counters: one gather (several processes) and one host copy.
+
+        Nothing float64 reaches the device: the statistics are float32 there (TRL's own precision for these metrics)
+        and travel as their bit pattern, the float64 host counters as theirs (`plan.float64_bits`), both in one int64
+        tensor. A rank with no real micro-batch sends the statistics of no token and joins the gather all the same."""
+        sequence = self.vllm_importance_sampling_mode.startswith("sequence")
+        stats = [ratio_stats(c, self._loss_mask(c), sequence) for c in chunks]
+        reduced = combine_ratio_stats(torch.stack(stats) if stats else torch.empty((0, 7), device=device))
+        counters = float64_bits(torch.tensor(list(local.values()), dtype=torch.float64))
+        wire = torch.cat([reduced.view(torch.int32).to(torch.int64), counters.to(reduced.device)]).unsqueeze(0)
+        if self.accelerator.num_processes > 1:
+            wire = self.accelerator.gather(wire.to(device))
+        wire = wire.cpu()
+        r = wire[:, :7].to(torch.int32).view(torch.float32).double()
+        metrics = self._metrics["train"]
+        for key, value in zip(VLLM_METRICS, vllm_metrics(r), strict=True):
+            if metrics[key]:
+                metrics[key][-1] = value
+            else:
+                metrics[key].append(value)
+        for key, value in zip(local, to_float64(wire[:, 7:]).sum(0).tolist(), strict=True):
+            self._cost_aware_totals[key] += value
+
     def _compute_loss(self, model, inputs):
-        scale = self._buffer_kl_scale
-        if scale is None or self.beta == 0.0 or not self.model.training:
+        """A packed no-op micro-step: on one process, and under DDP on a micro-step that does not sync, a zero loss
+        without the model (the packed layout puts the real micro-batches last in each optimizer step, so the syncing
+        micro-step runs the model); elsewhere TRL's loss on the 1-token no-op batch (zero gradient), with the metrics
+        TRL appends for it removed. A real micro-batch: TRL's loss with β scaled, here only, by the product of
+
+        - the buffer's `kl_scale` (a batch-token loss: the KL term is not importance-weighted, so under a full-batch
+          token normaliser it would shrink with the kept tokens; T_full / T_kept restores its size), and
+        - the packed micro-batch's `BETA_SCALE_KEY` (its share of the optimizer step's rows or tokens);
+
+        β stays > 0 when it was, so TRL's `beta != 0` branches (and their collectives) run on every rank alike."""
+        if not self.model.training:
             return super()._compute_loss(model, inputs)
-        # The KL term is not importance-weighted (only the advantage carries the weight), so under a full-batch token
-        # normaliser it would shrink with the kept tokens: β · T_full / T_kept restores the full batch's size.
+        if inputs.get(NOOP_KEY):
+            if noop_skippable(self.accelerator) and (
+                self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients
+            ):
+                return torch.zeros((), device=inputs["completion_ids"].device, requires_grad=True)
+            metrics = self._metrics["train"]
+            before = {key: len(values) for key, values in metrics.items()}
+            loss = super()._compute_loss(model, inputs)
+            for key in list(metrics):
+                if key not in before:
+                    del metrics[key]
+                else:
+                    del metrics[key][before[key] :]
+            return loss
+        weights = inputs.get(METRIC_WEIGHTS_KEY)
+        if weights is not None:
+            self._packed_metric_weights.append(weights)
+        scale = (self._buffer_kl_scale or 1.0) * inputs.get(BETA_SCALE_KEY, 1.0)
+        if scale == 1.0 or self.beta == 0.0:
+            return super()._compute_loss(model, inputs)
         beta = self.beta
         self.beta = beta * scale
         try:
             return super()._compute_loss(model, inputs)
         finally:
             self.beta = beta
+
+    def _token_weighted_metrics(self):
+        """At a train `log`, under the packed layout: TRL's per-micro-batch metric means of the window replaced by
+        their means over the window's tokens or rows, summed over ranks (`packed.token_weighted_means`; one gather of
+        the window's counts, every rank logs the same window)."""
+        weights, self._packed_metric_weights = self._packed_metric_weights, []
+        if not weights:
+            return
+        local = {f"{kind}{k}": w[i] for k, w in enumerate(weights) for i, kind in enumerate(("t", "r"))}
+        summed = self._sum_over_ranks(local, self.accelerator.device)
+        tokens = [summed[f"t{k}"] for k in range(len(weights))]
+        rows = [summed[f"r{k}"] for k in range(len(weights))]
+        per_row = self.args.importance_sampling_level == "sequence"
+        token_weighted_means(self._metrics["train"], tokens, rows, per_row)
 
     def _clip_grad_norm(self, model):
         """Records, per optimizer step, whether `max_grad_norm` clipped the gradient (`cost_aware/grad_clipped`, its
@@ -451,14 +611,8 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
 
     def _cost_aware_state(self) -> dict:
         """What a checkpoint saves beyond TRL's, per rank (`STATE_FILE`): the random streams, the global counters,
-        the "compute" rule's state (`_compute_state`), the rank and world size that wrote it.
-
-        Extensible by mixins among the trainer's bases: a mixin defines the same method, takes its base's dict with
-        `base = getattr(super(), "_cost_aware_state", None); state = base() if base else {}`, adds its entries
-        under its own keys and returns it (`_restore_cost_aware_state` alike). The trainer's own entries are
-        written last."""
-        base = getattr(super(), "_cost_aware_state", None)
-        state = base() if base is not None else {}
+        the rank and world size that wrote it."""
+        state = {}
         # Inside a buffer TRL regenerates it on resume (its buffer is not saved): the streams as they were before
         # that buffer's draw, so the regenerated draw uses the interrupted draw's stream and the rest of the run
         # continues the uninterrupted run's stream.
@@ -473,12 +627,8 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
         return state
 
     def _restore_cost_aware_state(self, state: dict):
-        """Restores `_cost_aware_state`'s entries (mixins extend it as that method says). `state` may be another
-        rank's (`state["rank"]`, after a world-size change): the global entries (counters, compute rule) are
-        restored from it, this rank's random streams are not."""
-        base = getattr(super(), "_restore_cost_aware_state", None)
-        if base is not None:
-            base(state)
+        """Restores `_cost_aware_state`'s entries. `state` may be another rank's (`state["rank"]`, after a world-size
+        change): the global counters are restored from it, this rank's random streams are not."""
         if state.get("rank", self.accelerator.process_index) == self.accelerator.process_index:
             if "generator" in state:
                 self._sampler_generator.set_state(state["generator"])
@@ -502,7 +652,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
     def _load_cost_aware_state(self, checkpoint):
         """On resume: this rank's `STATE_FILE`. Without it (a different world size, several nodes without a shared
         filesystem) one warning naming the file, and the counters stay monotone: rank 0's file (its counters and
-        compute state are global; this rank's streams start afresh), else the last logged `cost_aware/*` counters
+        are global; this rank's streams start afresh), else the last logged `cost_aware/*` counters
         of the checkpoint's trainer_state.json."""
         if checkpoint is None:
             return
@@ -514,7 +664,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
         fallback = os.path.join(checkpoint, STATE_FILE.format(rank=0))
         if rank != 0 and os.path.exists(fallback):
             self._restore_cost_aware_state(torch.load(fallback, weights_only=True))
-            how = f"restored the global counters and the compute rule's state from {fallback}; this rank's sampler "
+            how = f"restored the global counters from {fallback}; this rank's sampler "
             how += "and grouping streams start afresh"
         else:
             restored = self._totals_from_log_history(checkpoint)
@@ -523,7 +673,7 @@ class CostAwareGRPOTrainer(DeferredLogProbPasses, PackedLayout, GRPOTrainer):
                 how = "restored the cost_aware/* counters from the last values logged in its trainer_state.json"
             else:
                 how = "found no logged cost_aware/* counters either: the counters restart at 0"
-            how += "; the random streams and the rest of the saved state (the compute rule's) start afresh"
+            how += "; the random streams start afresh"
         warnings.warn(
             f"Resuming from {checkpoint}: {path} not found (a different world size, or several nodes without a shared "
             f"filesystem?); {how}.",

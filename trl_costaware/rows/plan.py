@@ -221,10 +221,12 @@ class AcceleratorCollective:
 # ---------------------------------------------------------------------------------------------------- output
 @dataclass
 class Plan:
-    """What the trainer applies to its generation batch.
+    """What the trainer applies to its generation batch (`CostAwareGRPOTrainer._draw_kept_rows` returns it).
 
-    `indices` (m,) the kept rows; `factors` (m,) float64, the multiplier of
-    each kept row's advantage; `filler` (m,) the kept slots outside the support (factor 0). `p` the sampling
+    `indices` (m,) the kept rows; `factors` (m,) float64, the multiplier of each kept row's advantage. A row rule of
+    its own (a subclass's `_draw_kept_rows`) may give only these two: the plan-only corrections then do not apply and
+    the trainer counts the kept tokens itself. `kept_stats` the host prompt, completion and loss tokens of the kept
+    rows (by kept position); `filler` (m,) the kept slots outside the support (factor 0). `p` the sampling
     distribution, `eligible` the support, `draw` the draw itself (its design in `draw.probabilities`).
     `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0), `global_filler` their
     filler flags. `kl_scale` the β multiplier
@@ -235,17 +237,18 @@ class Plan:
 
     indices: torch.Tensor
     factors: torch.Tensor
-    filler: torch.Tensor
-    m: int
-    p: torch.Tensor
-    eligible: torch.Tensor
-    draw: Draw
-    global_weights: torch.Tensor
-    global_filler: torch.Tensor
-    kl_scale: float | None
-    micro_tokens_full: float | None
-    totals: dict[str, float]
-    metrics: dict[str, float]
+    kept_stats: dict[str, torch.Tensor] | None = None
+    filler: torch.Tensor | None = None
+    m: int | None = None
+    p: torch.Tensor | None = None
+    eligible: torch.Tensor | None = None
+    draw: Draw | None = None
+    global_weights: torch.Tensor | None = None
+    global_filler: torch.Tensor | None = None
+    kl_scale: float | None = None
+    micro_tokens_full: float | None = None
+    totals: dict[str, float] | None = None
+    metrics: dict[str, float] | None = None
 
 
 def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, collective: Collective) -> int:
@@ -327,6 +330,7 @@ def plan_batch(
     return Plan(
         indices=draw.indices,
         factors=factors,
+        kept_stats={k: rows[k][draw.indices] for k in ("prompt_tokens", "completion_tokens", "loss_tokens")},
         filler=filler,
         m=m,
         p=p,
