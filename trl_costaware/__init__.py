@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING
 from ._compat import TESTED_TRL_RANGE, check_trl_version
 from ._version import __version__
 
-_LAZY = {"CostAwareGRPOConfig": ".config", "CostAwareGRPOTrainer": ".trainer"}
+_LAZY = {"CostAwareGRPOConfig": ".config", "CostAwareGRPOTrainer": ".trainer", "select_subset": ".subset"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import CostAwareGRPOConfig
+    from .subset import select_subset
     from .trainer import CostAwareGRPOTrainer
 
 
@@ -33,4 +34,11 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["TESTED_TRL_RANGE", "CostAwareGRPOConfig", "CostAwareGRPOTrainer", "__version__", "check_trl_version"]
+__all__ = [
+    "TESTED_TRL_RANGE",
+    "CostAwareGRPOConfig",
+    "CostAwareGRPOTrainer",
+    "__version__",
+    "check_trl_version",
+    "select_subset",
+]

@@ -651,8 +651,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     def _load_cost_aware_state(self, checkpoint):
         """On resume: this rank's `STATE_FILE`. Without it (a different world size, several nodes without a shared
-        filesystem) one warning naming the file, and the counters stay monotone: rank 0's file (its counters and
-        are global; this rank's streams start afresh), else the last logged `cost_aware/*` counters
+        filesystem) one warning naming the file, and the counters stay monotone: rank 0's file (its counters are
+        global; this rank's streams start afresh), else the last logged `cost_aware/*` counters
         of the checkpoint's trainer_state.json."""
         if checkpoint is None:
             return

@@ -96,22 +96,6 @@ def row_lengths(batch: dict) -> torch.Tensor:
     return batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)
 
 
-def concat_batches(batches: list[dict]) -> dict:
-    """Inverse of TRL's `split_tensor_dict` for equal-width chunks: concatenate per-row entries."""
-    check_keys(batches[0])
-    out = {}
-    for key, value in batches[0].items():
-        if key in SCALAR_KEYS or value is None:
-            out[key] = value
-        elif isinstance(value, torch.Tensor):
-            out[key] = torch.cat([b[key] for b in batches])
-        elif isinstance(value, list):
-            out[key] = [x for b in batches for x in b[key]]
-        else:
-            out[key] = value
-    return out
-
-
 def noop_micro_batch(batch: dict) -> dict:
     """A micro-batch that trains on nothing: one row of one prompt token (row 0's last, attended) and one completion
     token (row 0's first) with completion mask 0 (tool mask 0), advantage 0; `SCALAR_KEYS` pass through. Every loss

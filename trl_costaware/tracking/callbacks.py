@@ -12,8 +12,8 @@ Two callbacks, both acting on the main process only:
   (``define_metric(..., step_metric=...)``) of the reward, eval and ``cost_aware/`` charts.
 
 Both record, beside the config's fields as given, what the trainer resolved from them at construction
-([`resolved_config`]: ``cost_aware_layout_resolved``, the layout that runs, where ``cost_aware_layout`` may say
-``"auto"``): in the sidecar's ``config`` and in the W&B run's config.
+([`resolved_config`]: ``cost_aware_layout``, the micro-batch layout that runs): in the sidecar's ``config`` and in
+the W&B run's config.
 
 Wire them with [`attach_tracking`] after ``Trainer.__init__`` (it places the W&B callback before transformers'
 ``WandbCallback``, so that the run is created with its group), and call [`validate_report_to`] before
@@ -101,11 +101,10 @@ def _jsonable(value):
 
 
 def resolved_config(trainer) -> dict[str, Any]:
-    """Config entries the trainer resolved at construction, recorded beside the user's fields:
-    ``cost_aware_layout_resolved`` is the layout that runs (``trainer._layout``, "packed" or "even"), while
-    ``cost_aware_layout`` stays as given (e.g. "auto"). Empty for a trainer without one (e.g. plain GRPOTrainer)."""
+    """What the trainer resolved at construction, recorded beside the user's fields: ``cost_aware_layout``, the
+    layout that runs (``trainer._layout``, "packed" or "even"). Empty for a trainer without one (plain GRPOTrainer)."""
     layout = getattr(trainer, "_layout", None)
-    return {} if layout is None else {"cost_aware_layout_resolved": layout}
+    return {} if layout is None else {"cost_aware_layout": layout}
 
 
 def run_info(args, model=None) -> dict[str, Any]:

@@ -147,14 +147,3 @@ def format_report(result: Result) -> str:
             "target. Run more seeds or steps, or compare a held-out metric (--metric eval_...)."
         )
     return "\n".join(lines)
-
-
-def _measured_compute_ratio(arm: dict, targets) -> list[str]:
-    """Per target: the arm's compute to it over the baseline's (n/a without compute, "not reached")."""
-    out = []
-    for t, at in zip(targets, arm["targets"], strict=True):
-        if t.baseline_compute is None or not t.baseline_compute:
-            out.append("n/a")
-        else:
-            out.append(NOT_REACHED if at.get("compute") is None else f"{at['compute'] / t.baseline_compute:.3g}")
-    return out
