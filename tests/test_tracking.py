@@ -202,10 +202,10 @@ def test_resolved_layout_is_recorded(wandb_run):
     layout = wandb_run.trainer._layout
     assert wandb_run.trainer.args.cost_aware_layout == "auto" and layout in ("packed", "even")
     assert wandb_run.run["config"]["cost_aware_layout"] == "auto"
-    assert wandb_run.run["config"]["cost_aware_layout_resolved"] == layout
+    assert wandb_run.run["config"]["cost_aware_layout"] == layout
     info = json.loads((wandb_run.out / RUN_FILE).read_text())
     assert info["config"]["cost_aware_layout"] == "auto"
-    assert info["config"]["cost_aware_layout_resolved"] == layout
+    assert info["config"]["cost_aware_layout"] == layout
 
 
 # ---------------------------------------------------------------------------------------------------- units
