@@ -16,10 +16,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "trl_costaware"
 LAYERS = {
     "_version": 0,
     "_compat": 0,
-    "core": 0,
     "rewards": 0,
-    "kept_count": 1,
-    "prompts": 1,
+    "subset": 0,
     "tracking": 1,
     "rows": 2,
     "config": 3,
@@ -118,18 +116,17 @@ def test_no_import_circle():
 
 
 def test_the_checks_catch_a_circle_and_an_upward_import(tmp_path):
-    """Control: a tree with a core module importing the row stage, and two row modules importing each other."""
+    """Control: a tree with a layer-0 module importing the row stage, and two row modules importing each other."""
     root = tmp_path / "trl_costaware"
-    for folder in ("core", "rows"):
-        (root / folder).mkdir(parents=True)
-        (root / folder / "__init__.py").write_text("")
+    (root / "rows").mkdir(parents=True)
+    (root / "rows" / "__init__.py").write_text("")
     (root / "__init__.py").write_text("")
-    (root / "core" / "sampling.py").write_text("def f():\n    from ..rows.plan import g\n")
+    (root / "rewards.py").write_text("def f():\n    from .rows.plan import g\n")
     (root / "rows" / "plan.py").write_text("from .layout import h\n")
     (root / "rows" / "layout.py").write_text("from trl_costaware.rows import plan\n")
     graph = import_graph(root)
     assert upward_imports(graph) == [
-        "trl_costaware.rows.sampling -> trl_costaware.rows.plan (core: layer 0, rows: layer 2)"
+        "trl_costaware.rewards -> trl_costaware.rows.plan (rewards: layer 0, rows: layer 2)"
     ]
     assert any(set(c) >= {"trl_costaware.rows.plan", "trl_costaware.rows.layout"} for c in cycles(graph))
 

@@ -12,16 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from trl import GRPOTrainer
 
-from trl_costaware.rows.sampling import eligible_rows, sampling_distribution, stream_seed
-from trl_costaware.kept_count.budget import smallest_budget, variance_inflation
 from trl_costaware.rows import plan as plan_module
+from trl_costaware.rows.sampling import stream_seed
 from trl_costaware.rows.batching import KNOWN_KEYS, check_keys, select_rows, trim_to_longest
 from trl_costaware.rows.plan import LOSS_NORMALISERS, PlanSettings, RowStats, check_loss_type, plan_batch
 
 
 def ht_settings(**kwargs) -> PlanSettings:
-    """PlanSettings with the Horvitz–Thompson weights ("none") whose exact math these tests check (the default,
-    "recenter", shifts every weight by the same amount: tested in tests/test_recenter.py)."""
+    """PlanSettings with the Horvitz–Thompson weights ("none", the default) whose exact math these tests check."""
     return PlanSettings(**{"weight_normalization": "none", **kwargs})
 
 
@@ -110,87 +108,18 @@ def test_factor_follows_the_normaliser(loss_type):
     assert (plan.micro_tokens_full is not None) == (loss_type == "bnpo")
 
 
-# ---------------------------------------------------------------- item 1: auto sees only rows that carry gradient
-def _auto_rows(truncated: bool):
-    g = torch.Generator().manual_seed(3)
-    adv = torch.randn(16, generator=g)
-    adv[::4] = 0.0  # a few zero-advantage rows, as in GRPO groups
-    tokens = torch.randint(4, 16, (16,), generator=g).float()
-    if truncated:
-        tokens[1] = 0.0  # mask_truncated_completions hid row 1 (|A| > 0, no loss token)
-    return make_rows(adv, tokens)
-
-
-def test_auto_with_a_truncated_row_still_drops_rows():
-    """A truncated row (A ≠ 0, no loss token, never drawn) made every m look infinitely noisy: m = all eligible rows
-    and inflation inf. Its gradient is 0: the budget must ignore it."""
-    s = ht_settings(kept_fraction="auto", budget_delta=1.0, smoothing=0.1)
-    clean = plan_batch(_auto_rows(False), s, gen())
-    masked = plan_batch(_auto_rows(True), s, gen())
-    eligible = int(masked.eligible.sum())
-    assert clean.m < int(clean.eligible.sum())
-    assert masked.m < eligible, (masked.m, eligible)
-    assert math.isfinite(masked.metrics["budget_inflation"]) and masked.metrics["budget_inflation"] <= 1.0
-    assert abs(masked.m - clean.m) <= 2  # one row fewer to cover: about the same budget
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    st.lists(st.floats(-3, 3), min_size=4, max_size=24),
-    st.lists(st.integers(0, 20), min_size=24, max_size=24),
-    st.floats(0.0, 1.0),
-    st.floats(0.05, 4.0),
-)
-def test_auto_inflation_is_finite_and_within_delta(adv, tokens, alpha, delta):
-    n = len(adv)
-    rows = make_rows(adv, [float(t) for t in tokens[:n]])
-    plan = plan_batch(rows, ht_settings(kept_fraction="auto", budget_delta=delta, smoothing=alpha), gen())
-    inflation = plan.metrics["budget_inflation"]
-    assert math.isfinite(inflation)
-    if plan.m < int(plan.eligible.sum()):  # not capped: the rule's own m, within δ
-        assert inflation <= delta + 1e-9
-
-
-def test_auto_keeps_the_largest_count_over_ranks_and_sums_the_inflation():
-    rows = _auto_rows(False)
-    s = ht_settings(kept_fraction="auto", budget_delta=1.0)
-    alone = plan_batch(rows, s, gen())
-    k = int(alone.eligible.sum())
-    assert 1 < alone.m < k
-    assert plan_batch(rows, s, gen(), OtherRank([alone.m - 1, k])).m == alone.m
-    assert plan_batch(rows, s, gen(), OtherRank([k, k])).m == k
-    two = plan_batch(rows, s, gen(), OtherRank([alone.m, k], sums={"inflation_num": 3.0, "inflation_den": 5.0}))
-    g = rows.advantages.abs() * two.eligible
-    from trl_costaware.kept_count.budget import inflation_terms
-
-    num, den = inflation_terms(g, two.p, two.m)
-    assert two.metrics["budget_inflation"] == pytest.approx((num + 3.0) / (den + 5.0))
-
-
-def test_auto_m_is_smallest_budget_on_the_eligible_rows():
-    rows = _auto_rows(True)
-    s = ht_settings(kept_fraction="auto", budget_delta=0.5, smoothing=0.2)
-    plan = plan_batch(rows, s, gen())
-    eligible = eligible_rows(rows.advantages, rows.loss_tokens, False)
-    p = sampling_distribution(rows.advantages.abs() / rows.costs.sqrt(), 0.2, support=eligible)
-    torch.testing.assert_close(plan.p, p)
-    g = rows.advantages.abs() * eligible
-    assert plan.m == smallest_budget(g, p, 0.5)[0]
-    assert plan.metrics["budget_inflation"] == pytest.approx(variance_inflation(g, p, plan.m))
-
-
 def test_token_budget_keeps_the_smallest_count_over_ranks():
     rows = make_rows([1.0, -1.0] * 8)
-    s = ht_settings(kept_fraction=None, token_budget=60.0, zero_advantage_carries_gradient=True)
+    s = ht_settings(token_budget=60.0, zero_advantage_carries_gradient=True)
     alone = plan_batch(rows, s, gen())
     assert plan_batch(rows, s, gen(), OtherRank([-(alone.m - 1), 16])).m == alone.m - 1
 
 
 # ---------------------------------------------------------------- item 5: filler rows
-def _filler_case(method="none", cap=None):
+def _filler_case(method="none"):
     """This rank: 3 eligible rows of 8; the other rank: 8 eligible, so m = 0.75·8 = 6 here too (3 fillers)."""
     rows = make_rows([1.0, -2.0, 0.5, 0, 0, 0, 0, 0])
-    s = ht_settings(kept_fraction=0.75, smoothing=0.1, weight_normalization=method, weight_cap=cap)
+    s = ht_settings(kept_fraction=0.75, smoothing=0.1, weight_normalization=method)
     other = _full_support_rank(6)  # the other rank's 6 weights of 1, no fillers
     return plan_batch(rows, s, gen(), OtherRank([-6, 8], weights=other, sums={"fillers": 0.0}))
 
@@ -207,16 +136,17 @@ def test_filler_rows_get_factor_zero_and_stay_out_of_the_metrics():
     assert plan.metrics["weight_ess"] == pytest.approx(float(real.sum() ** 2 / (real**2).sum()))
 
 
-def test_self_normalize_ignores_filler_weights():
-    """The informative rows' normalised weights are w · w̄₀ / mean(non-filler w): filler weights (m/(Nπ) with π spread
-    over cheap zero-signal rows, unbounded) do not rescale them, and the centre counts non-filler slots only: this
-    rank's 3 rows of S (π = 1, w = 6/8) and the other rank's 6 (E[Σ w] = 6): w̄₀ = (6·3/8 + 6) / (3 + 6)."""
-    plan = _filler_case("self_normalize")
+def test_recenter_ignores_filler_weights():
+    """The informative rows' recentred weights are max(0, w − mean(non-filler w) + w̄₀): filler weights (m/(Nπ) with
+    π spread over cheap zero-signal rows, unbounded) do not shift them, and the centre counts non-filler slots only:
+    this rank's 3 rows of S (π = 1, w = 6/8) and the other rank's 6 (E[Σ w] = 6): w̄₀ = (6·3/8 + 6) / (3 + 6)."""
+    plan = _filler_case("recenter")
     w = plan.draw.weights[~plan.filler]
     center = (6 * 3 / 8 + 6) / 9
     assert plan.metrics["weight_center"] == pytest.approx(center)
     real_mean = torch.cat([w, torch.ones(6, dtype=torch.float64)]).mean()
-    torch.testing.assert_close(plan.factors[~plan.filler], w * center / real_mean)
+    torch.testing.assert_close(plan.factors[~plan.filler], (w - real_mean + center).clamp(min=0.0))
+    assert (plan.factors[plan.filler] == 0).all()
     assert plan.metrics["weight_mean"] == pytest.approx(center)
 
 
@@ -225,14 +155,13 @@ def test_self_normalize_ignores_filler_weights():
     st.lists(st.floats(-3, 3), min_size=2, max_size=24),
     st.floats(0.01, 1.0),
     st.floats(0.1, 1.0),
-    st.sampled_from(["systematic", "multinomial"]),
     st.integers(0, 2**31),
 )
-def test_weights_of_rows_that_carry_gradient_are_bounded_by_one_over_alpha(adv, alpha, fraction, draw, seed):
+def test_weights_of_rows_that_carry_gradient_are_bounded_by_one_over_alpha(adv, alpha, fraction, seed):
     """p ≥ α/|S| on the support, so w ≤ |S|/(α N) ≤ 1/α for every kept row that can carry gradient (the help text's
     bound); fillers are outside it and get 0."""
     rows = make_rows(adv)
-    plan = plan_batch(rows, ht_settings(kept_fraction=fraction, smoothing=alpha, draw=draw), gen(seed))
+    plan = plan_batch(rows, ht_settings(kept_fraction=fraction, smoothing=alpha), gen(seed))
     k, n = int(plan.eligible.sum()), len(adv)
     real = plan.draw.weights[~plan.filler]
     if k:
@@ -250,16 +179,16 @@ def test_plan_is_deterministic_given_the_generator():
 
 
 def test_plan_calls_its_math_through_module_globals(monkeypatch):
-    """tests/test_unbiased.py records the draw by patching `plan.draw_rows`."""
+    """tests/test_unbiased.py records the draw by patching `plan.draw_systematic`."""
     seen = []
-    original = plan_module.draw_rows
+    original = plan_module.draw_systematic
 
-    def recorded(p, m, scheme, *args, **kwargs):
-        out = original(p, m, scheme, *args, **kwargs)
+    def recorded(*args, **kwargs):
+        out = original(*args, **kwargs)
         seen.append(out)
         return out
 
-    monkeypatch.setattr(plan_module, "draw_rows", recorded)
+    monkeypatch.setattr(plan_module, "draw_systematic", recorded)
     plan = plan_batch(make_rows([1.0, -1.0, 2.0, -2.0]), ht_settings(), gen())
     assert seen and seen[0] is plan.draw
 
@@ -316,33 +245,50 @@ def test_streams_of_ranks_and_names_never_collide():
     assert stream_seed(-5, 0, "sampler") >= 0 and stream_seed(2**70, 3, "sampler") < 2**63
 
 
-def test_plan_settings_mirror_the_config_on_kept_fraction_and_token_budget():
-    assert PlanSettings().kept_fraction == 0.5  # the default
-    with pytest.raises(ValueError, match=r"kept_fraction=None needs a token_budget"):
-        PlanSettings(kept_fraction=None)
-    for rule in ("auto", "compute"):
-        with pytest.raises(ValueError, match=rf"kept_fraction='{rule}' and token_budget both choose m"):
-            PlanSettings(kept_fraction=rule, token_budget=100.0)
-    assert PlanSettings(kept_fraction=None, token_budget=100.0).token_budget == 100.0
+def test_plan_settings_mirror_the_config():
+    """`PlanSettings.from_args` reads every field the plan uses; the defaults are the config's ("none": the exactly
+    unbiased weights; a kept fraction of 0.5)."""
+    from testing_utils import make_config
+
     s = PlanSettings()
-    assert (s.weight_normalization, s.weight_floor) == ("none", None)  # the default
-    s = PlanSettings(weight_normalization="recenter")
-    assert (s.weight_normalization, s.weight_floor) == ("recenter", 0.0)  # floored at 0 by the plan
+    assert (s.kept_fraction, s.token_budget, s.weight_normalization) == (0.5, None, "none")
+    default = PlanSettings.from_args(make_config(), False, 1)
+    assert (default.kept_fraction, default.weight_normalization, default.proxy) == (0.5, "none", "advantage")
+    args = make_config(
+        loss_type="dapo",
+        cost_aware_kept_fraction=0.25,
+        cost_aware_token_budget=300,
+        cost_aware_proxy="uniform",
+        cost_aware_smoothing=0.3,
+        cost_aware_weight_normalization="recenter",
+        steps_per_generation=4,
+        gradient_accumulation_steps=2,
+    )
+    s = PlanSettings.from_args(args, True, 2)
+    assert s == PlanSettings(
+        loss_type="dapo",
+        kept_fraction=0.25,
+        token_budget=300,
+        proxy="uniform",
+        smoothing=0.3,
+        weight_normalization="recenter",
+        steps_per_generation=4,
+        zero_advantage_carries_gradient=True,
+        kept_multiple=2,
+    )
 
 
 # ---------------------------------------------------------------- the weights' centre
-@pytest.mark.parametrize("method", ["recenter", "self_normalize"])
-@pytest.mark.parametrize("draw", ["systematic", "multinomial"])
-def test_normalised_weights_keep_the_gradient_scale_when_rows_cannot_be_drawn(method, draw):
+def test_recentred_weights_keep_the_gradient_scale_when_rows_cannot_be_drawn():
     """Half the rows cannot be drawn (a zero-advantage group of 4, 4 rows without loss tokens): the weights' mean is
     |S|/N = 1/2 in expectation, and the normalised weights are centred there (`weight_center`), so
     (1/m) Σ_kept w̃ L estimates (1/N) Σ L (L > 0 on S, 0 outside: the scale; a signed sum that nearly cancels shows
     the normalised estimators' own bias, which the trainer's Monte Carlo matrix measures). Centred at 1 they doubled
-    it (the estimate was 2.1–2.2× the target here)."""
+    it (the estimate was 2.1–2.2× the target here). "none" is unbiased whatever the centre."""
     adv = [1.0, -0.5, 2.0, -2.5, 0.0, 0.0, 0.0, 0.0] + [0.7, -1.3, 0.4, -0.2] + [1.0, -1.0, 1.0, -1.0]
     tokens = [6.0, 9.0, 3.0, 12.0] + [8.0] * 4 + [5.0, 7.0, 11.0, 4.0] + [0.0] * 4
     rows = make_rows(adv, loss_tokens=tokens)
-    s = PlanSettings(kept_fraction=0.25, smoothing=0.1, draw=draw, weight_normalization=method)
+    s = PlanSettings(kept_fraction=0.25, smoothing=0.1, weight_normalization="recenter")
     a, t = torch.tensor(adv, dtype=torch.float64), torch.tensor(tokens, dtype=torch.float64)
     loss = (1.0 + a.abs()) * t.sqrt() * (a != 0)
     target = float(loss.sum() / 16)
@@ -353,7 +299,6 @@ def test_normalised_weights_keep_the_gradient_scale_when_rows_cannot_be_drawn(me
         estimates.append(float((plan.factors * loss[plan.indices]).sum() / plan.m))
     est = torch.tensor(estimates)
     se = float(est.std() / math.sqrt(len(est)))
-    # The ratio estimators' own bias at m = 4 (not the scale): up to +7% here with a multinomial draw, under 2% with
-    # the systematic one.
-    assert abs(float(est.mean()) / target - 1.0) < 0.10 + 4 * se / abs(target), (float(est.mean()), target, se)
+    # The recentred estimator's own bias at m = 4 (not the scale): under 2% here.
+    assert abs(float(est.mean()) / target - 1.0) < 0.05 + 4 * se / abs(target), (float(est.mean()), target, se)
     assert len(centres) == 1 and centres.pop() == pytest.approx(0.5)

@@ -13,8 +13,6 @@ from hypothesis import strategies as st
 
 from trl_costaware.rows import sampling
 from trl_costaware.rows.sampling import (
-    draw_multinomial,
-    draw_rows,
     draw_systematic,
     effective_sample_size,
     inclusion_probabilities,
@@ -97,8 +95,6 @@ def test_scores_match_formulas():
     adv = torch.tensor([1.0, -2.0, 0.0, 3.0])
     c = torch.tensor([4.0, 16.0, 9.0, 0.0])  # the zero cost is clamped to one token
     torch.testing.assert_close(sampling_scores(adv, c, "advantage"), torch.tensor([0.5, 0.5, 0.0, 3.0]))
-    torch.testing.assert_close(sampling_scores(adv, c, "inverse_sqrt_cost"), torch.tensor([0.5, 0.25, 1 / 3, 1.0]))
-    torch.testing.assert_close(sampling_scores(adv, c, "inverse_cost"), torch.tensor([0.25, 1 / 16, 1 / 9, 1.0]))
     h = torch.tensor([2.0, 0.5, 1.0, 0.0])
     torch.testing.assert_close(sampling_scores(adv, c, "loss_aware", h), torch.tensor([1.0, 0.25, 0.0, 0.0]))
     with pytest.raises(ValueError, match="row_factors"):
@@ -106,8 +102,9 @@ def test_scores_match_formulas():
     torch.testing.assert_close(sampling_scores(adv, c, "uniform"), torch.ones(4))
     p = sampling_distribution(sampling_scores(adv, c, "advantage"), alpha=0.5)
     torch.testing.assert_close(p, 0.5 * torch.tensor([0.125, 0.125, 0.0, 0.75], dtype=torch.float64) + 0.125)
-    with pytest.raises(ValueError):
-        sampling_scores(adv, c, "nope")
+    for removed in ("nope", "inverse_sqrt_cost", "inverse_cost"):
+        with pytest.raises(ValueError):
+            sampling_scores(adv, c, removed)
     with pytest.raises(ValueError):
         sampling_distribution(adv.abs(), alpha=1.5)
     with pytest.raises(ValueError):
@@ -160,40 +157,30 @@ def test_inclusion_probabilities_full_batch(n):
 
 
 @FAST
-@given(pm=prob_and_m(), scheme=st.sampled_from(sampling.DRAW_SCHEMES), seed=st.integers(0, 2**31 - 1))
-def test_draws_have_exact_size_and_positive_finite_weights(pm, scheme, seed):
+@given(pm=prob_and_m(), seed=st.integers(0, 2**31 - 1))
+def test_draws_have_exact_size_and_positive_finite_weights(pm, seed):
     p, m = pm
     n = p.numel()
-    draw = draw_rows(p, m, scheme=scheme, generator=torch.Generator().manual_seed(seed))
+    draw = draw_systematic(p, m, generator=torch.Generator().manual_seed(seed))
     assert draw.indices.dtype == torch.long and draw.indices.shape == (m,)
     assert int(draw.indices.min()) >= 0 and int(draw.indices.max()) < n
     assert draw.weights.shape == (m,) and torch.isfinite(draw.weights).all() and (draw.weights > 0).all()
     # A row is only ever drawn with positive probability.
     assert (draw.probabilities[draw.indices] > 0).all()
-    if scheme == "systematic":
-        assert draw.indices.unique().numel() == m, "systematic draws must not repeat rows"
-        torch.testing.assert_close(draw.weights, m / (n * draw.probabilities[draw.indices]))
-        # Rows with π_i = 1 are always kept.
-        certain = torch.nonzero(draw.probabilities >= 1.0 - 1e-12).flatten()
-        assert set(certain.tolist()) <= set(draw.indices.tolist())
-    else:
-        torch.testing.assert_close(draw.weights, 1.0 / (n * p[draw.indices]))
+    assert draw.indices.unique().numel() == m, "systematic draws must not repeat rows"
+    torch.testing.assert_close(draw.weights, m / (n * draw.probabilities[draw.indices]))
+    # Rows with π_i = 1 are always kept.
+    certain = torch.nonzero(draw.probabilities >= 1.0 - 1e-12).flatten()
+    assert set(certain.tolist()) <= set(draw.indices.tolist())
 
 
 @FAST
-@given(pm=prob_and_m(), scheme=st.sampled_from(sampling.DRAW_SCHEMES), seed=st.integers(0, 2**31 - 1))
-def test_draws_are_deterministic_given_the_generator_seed(pm, scheme, seed):
+@given(pm=prob_and_m(), seed=st.integers(0, 2**31 - 1))
+def test_draws_are_deterministic_given_the_generator_seed(pm, seed):
     p, m = pm
-    a = draw_rows(p, m, scheme, torch.Generator().manual_seed(seed))
-    b = draw_rows(p, m, scheme, torch.Generator().manual_seed(seed))
+    a = draw_systematic(p, m, torch.Generator().manual_seed(seed))
+    b = draw_systematic(p, m, torch.Generator().manual_seed(seed))
     assert torch.equal(a.indices, b.indices) and torch.equal(a.weights, b.weights)
-
-
-def test_draw_rows_rejects_unknown_scheme():
-    with pytest.raises(ValueError):
-        draw_rows(uniform(4), 2, scheme="poisson")
-    with pytest.raises(ValueError):
-        draw_multinomial(uniform(4), 0)
 
 
 # --- Monte Carlo: unbiasedness and inclusion frequencies -----------------------------------------------------------
@@ -209,10 +196,10 @@ def _mc_setup(n: int = 10, m: int = 4, n_losses: int = 8):
     return p, m, losses
 
 
-def _estimates(p, m, losses, scheme: str, k: int, seed: int):
+def _estimates(p, m, losses, k: int, seed: int):
     """(k, n_losses) draws of (1/m) Σ_kept w_i L_i (normalisation 'none'), and the kept-row counts per row."""
     gen = torch.Generator().manual_seed(seed)
-    draws = [draw_rows(p, m, scheme, gen) for _ in range(k)]
+    draws = [draw_systematic(p, m, gen) for _ in range(k)]
     idx = torch.stack([d.indices for d in draws])  # (k, m)
     w, _ = normalize_weights(torch.stack([d.weights for d in draws]).flatten(), "none")
     est = (w.view(k, m, 1) * losses[idx]).sum(1) / m
@@ -220,27 +207,21 @@ def _estimates(p, m, losses, scheme: str, k: int, seed: int):
     return est, counts
 
 
-@pytest.mark.parametrize("scheme", sampling.DRAW_SCHEMES)
-def test_monte_carlo_unbiasedness(scheme):
+def test_monte_carlo_unbiasedness():
     p, m, losses = _mc_setup()
     truth = losses.mean(0)  # (1/N) Σ_all L_i for each loss vector
     mean_abs_err = {}
     for k, seed in ((2_000, 7), (20_000, 8)):
-        est, counts = _estimates(p, m, losses, scheme, k, seed)
+        est, counts = _estimates(p, m, losses, k, seed)
         err = est.mean(0) - truth
         sigma = est.std(0) / math.sqrt(k)
-        assert (err.abs() < 4 * sigma).all(), f"{scheme}, K={k}: |error| {err.abs()} ≥ 4σ/√K {4 * sigma}"
+        assert (err.abs() < 4 * sigma).all(), f"K={k}: |error| {err.abs()} ≥ 4σ/√K {4 * sigma}"
         mean_abs_err[k] = float(err.abs().mean())
         if k == 20_000:
             freq = counts / k
-            if scheme == "systematic":
-                pi = inclusion_probabilities(p, m)
-                tol = 4.5 * torch.sqrt(pi * (1 - pi) / k) + 1e-12
-                assert ((freq - pi).abs() <= tol).all(), f"inclusion frequencies {freq} vs π {pi}"
-            else:
-                expected = m * p  # mean number of copies per draw
-                tol = 4.5 * torch.sqrt(m * p * (1 - p) / k) + 1e-12
-                assert ((freq - expected).abs() <= tol).all()
+            pi = inclusion_probabilities(p, m)
+            tol = 4.5 * torch.sqrt(pi * (1 - pi) / k) + 1e-12
+            assert ((freq - pi).abs() <= tol).all(), f"inclusion frequencies {freq} vs π {pi}"
     assert mean_abs_err[20_000] < mean_abs_err[2_000], mean_abs_err
 
 
@@ -256,39 +237,34 @@ def test_normalize_weights_means(w):
     none, s0 = normalize_weights(w, "none")
     torch.testing.assert_close(none, w, rtol=1e-6, atol=0)
     rec, s1 = normalize_weights(w, "recenter")
-    assert float(rec.mean()) == pytest.approx(1.0, abs=1e-9) and s1.mean == pytest.approx(1.0, abs=1e-9)
-    torch.testing.assert_close(rec, w - w.mean() + 1, rtol=0, atol=1e-6 * float(w.abs().max()))
-    sn, s2 = normalize_weights(w, "self_normalize")
-    assert s2.mean == pytest.approx(1.0, rel=1e-9)
-    torch.testing.assert_close(sn, w / w.mean(), rtol=1e-6, atol=0)
-    for s, v in ((s0, none), (s1, rec), (s2, sn)):
+    shifted = w - w.mean() + 1
+    torch.testing.assert_close(rec, shifted.clamp(min=0.0), rtol=0, atol=1e-6 * float(w.abs().max()))
+    if (shifted >= 0).all():  # nothing floored: the mean is the centre
+        assert float(rec.mean()) == pytest.approx(1.0, abs=1e-9) and s1.mean == pytest.approx(1.0, abs=1e-9)
+    for s, v in ((s0, none), (s1, rec)):
         assert s.min == pytest.approx(float(v.min())) and s.max == pytest.approx(float(v.max()))
-        assert s.frac_floored == 0.0 and s.frac_capped == 0.0
-    for s in (s0, s2):  # positive weights
-        assert 1.0 - 1e-9 <= s.ess <= w.numel() * (1 + 1e-9)
-        assert s.ess_fraction == pytest.approx(s.ess / w.numel())
+    assert s0.frac_floored == 0.0
+    assert s0.ess_fraction == pytest.approx(s0.ess / w.numel())
+    assert 1.0 - 1e-9 <= s0.ess <= w.numel() * (1 + 1e-9)  # positive weights
 
 
 @FAST
 @given(
     w=st.lists(st.floats(min_value=-1e3, max_value=1e3), min_size=1, max_size=64),
     method=st.sampled_from(sampling.WEIGHT_NORMALIZATIONS),
-    floor=st.one_of(st.none(), st.floats(0.0, 1.0)),
-    cap=st.one_of(st.none(), st.floats(1.0, 50.0)),
 )
-def test_normalize_weights_floor_and_cap(w, method, floor, cap):
+def test_recenter_floors_at_zero_and_reports_it(w, method):
+    """"recenter" is w − mean + 1 floored at 0 (a negative weight would flip a row's advantage), with the floored
+    fraction reported; "none" is the identity and floors nothing."""
     w = torch.tensor(w, dtype=torch.float64)
-    base, _ = normalize_weights(w, method)
-    out, stats = normalize_weights(w, method, floor=floor, cap=cap)
-    expected_floored = float((base < floor).double().mean()) if floor is not None else 0.0
-    after_floor = base.clamp(min=floor) if floor is not None else base
-    expected_capped = float((after_floor > cap).double().mean()) if cap is not None else 0.0
-    assert stats.frac_floored == pytest.approx(expected_floored)
-    assert stats.frac_capped == pytest.approx(expected_capped)
-    if floor is not None:
-        assert float(out.min()) >= floor
-    if cap is not None:
-        assert float(out.max()) <= cap
+    out, stats = normalize_weights(w, method)
+    if method == "recenter":
+        shifted = w - w.mean() + 1
+        assert float(out.min()) >= 0.0
+        assert stats.frac_floored == pytest.approx(float((shifted < 0).double().mean()))
+        torch.testing.assert_close(out, shifted.clamp(min=0.0), rtol=0, atol=1e-9 * float(w.abs().max()) + 1e-12)
+    else:
+        assert torch.equal(out, w) and stats.frac_floored == 0.0
     assert torch.isfinite(out).all()
     if (out > 0).all():
         assert 1.0 - 1e-9 <= stats.ess <= out.numel() * (1 + 1e-9)
@@ -297,21 +273,20 @@ def test_normalize_weights_floor_and_cap(w, method, floor, cap):
 def test_normalize_weights_edge_cases():
     w, stats = normalize_weights(torch.tensor([math.nan, math.inf, 2.0]), "none")
     torch.testing.assert_close(w, torch.tensor([0.0, 0.0, 2.0], dtype=torch.float64))
-    w, stats = normalize_weights(torch.zeros(3), "self_normalize")
-    torch.testing.assert_close(w, torch.ones(3, dtype=torch.float64))
     w, stats = normalize_weights(torch.zeros(0), "recenter")
     assert w.numel() == 0 and stats.ess == 0.0
     # Recentring a spread-out batch goes negative; the floor catches it and reports it.
-    # mean 2.5: 10 → 8.5 (then capped at 5), 0 → −1.5 floored to 0 for three rows.
-    w, stats = normalize_weights(torch.tensor([10.0, 0.0, 0.0, 0.0]), "recenter", floor=0.0, cap=5.0)
-    assert stats.frac_floored == pytest.approx(0.75) and stats.frac_capped == pytest.approx(0.25)
-    torch.testing.assert_close(w, torch.tensor([5.0, 0.0, 0.0, 0.0], dtype=torch.float64))
+    # mean 2.5: 10 → 8.5, 0 → −1.5 floored to 0 for three rows.
+    w, stats = normalize_weights(torch.tensor([10.0, 0.0, 0.0, 0.0]), "recenter")
+    assert stats.frac_floored == pytest.approx(0.75)
+    torch.testing.assert_close(w, torch.tensor([8.5, 0.0, 0.0, 0.0], dtype=torch.float64))
     assert stats.ess == pytest.approx(1.0) and stats.ess_fraction == pytest.approx(0.25)
     assert effective_sample_size(torch.zeros(4)) == 0.0
     assert effective_sample_size(torch.ones(4)) == pytest.approx(4.0)
     assert set(stats.as_dict("w/")) == {f"w/{k}" for k in stats.__dict__}
-    with pytest.raises(ValueError):
-        normalize_weights(torch.ones(2), "clip")
+    for removed in ("clip", "self_normalize"):
+        with pytest.raises(ValueError):
+            normalize_weights(torch.ones(2), removed)
 
 
 # --- J ratios ------------------------------------------------------------------------------------------------------
@@ -436,9 +411,9 @@ def test_equal_gradients_inverse_cost_gives_no_gain():
     """docs/algorithm.md §1: with equal G_i, p ∝ 1/c has J = J(u) exactly; p ∝ 1/√c is the optimum."""
     c = torch.tensor([1.0, 2.0, 5.0, 10.0], dtype=torch.float64)
     g = torch.ones(4, dtype=torch.float64)
-    p_inv = sampling_distribution(sampling_scores(g, c, "inverse_cost"))
+    p_inv = sampling_distribution(1.0 / c)
     assert j_ratio_achieved(g, c, p_inv) == pytest.approx(1.0, rel=1e-6)
-    p_sqrt = sampling_distribution(sampling_scores(g, c, "inverse_sqrt_cost"))
+    p_sqrt = sampling_distribution(sampling_scores(g, c, "advantage"))
     assert j_ratio_achieved(g, c, p_sqrt) == pytest.approx(j_ratio_ideal(g, c), rel=1e-6)
 
 
@@ -577,20 +552,12 @@ def test_loss_aware_scores_stay_finite_when_the_product_overflows():
 # --- the weights' centre: the design's expected mean weight over the kept non-filler slots --------------------------
 
 
-def _exact_draws(p: torch.Tensor, m: int, scheme: str, filler: torch.Tensor):
-    """Every outcome of one rank's draw with its probability, by exact enumeration (small N): for a multinomial draw
-    all N^m index sequences; for the systematic draw every permutation (equally likely, as `torch.randperm`) and,
-    for each, every interval of u ∈ [0, 1) on which the kept set is constant (its ends are the fractional parts of
-    the cumulative π), each run through the real `draw_systematic` with that permutation and u."""
+def _exact_draws(p: torch.Tensor, m: int, filler: torch.Tensor):
+    """Every outcome of one rank's systematic draw with its probability, by exact enumeration (small N): every
+    permutation (equally likely, as `torch.randperm`) and, for each, every interval of u ∈ [0, 1) on which the kept
+    set is constant (its ends are the fractional parts of the cumulative π), each run through the real
+    `draw_systematic` with that permutation and u."""
     n = p.numel()
-    if scheme == "multinomial":
-        p = p.double()
-        for seq in itertools.product(range(n), repeat=m):
-            idx = torch.tensor(seq)
-            prob = float(p[idx].prod())
-            if prob > 0:
-                yield prob, idx, 1.0 / (n * p[idx])
-        return
     pi = inclusion_probabilities(p, m, filler)
     perms = list(itertools.permutations(range(n)))
     for perm in perms:
@@ -622,14 +589,13 @@ def small_rank(draw, n_max=5):
 @given(
     ranks=st.lists(small_rank(), min_size=1, max_size=2),
     m_frac=st.floats(0.2, 1.0),
-    scheme=st.sampled_from(sampling.DRAW_SCHEMES),
 )
-def test_design_centre_is_the_expected_mean_kept_weight(ranks, m_frac, scheme):
+def test_design_centre_is_the_expected_mean_kept_weight(ranks, m_frac):
     """E[mean of the kept non-filler weights of all ranks] = Σ_r E_r[Σ w] / Σ_r K_r = w̄₀ (`design_weight_terms`),
-    by exact enumeration of every rank's draw (N ≤ 5; systematic and multinomial; supports with A = 0 rows and rows
+    by exact enumeration of every rank's draw (N ≤ 5; supports with A = 0 rows and rows
     without loss tokens; fewer rows that can be drawn than m, where systematic fillers appear; one or two ranks, same
     m). The number of non-filler slots is the same in every outcome, so the mean's expectation is the ratio of
-    sums. On one rank it is |S|/N (m/N for a systematic draw with |S| < m), not 1, whenever some row cannot be drawn:
+    sums. On one rank it is |S|/N (m/N with |S| < m), not 1, whenever some row cannot be drawn:
     centring at 1 scales the gradient by N/|S|."""
     n_min = min(len(a) for a, _, _ in ranks)
     m = max(1, min(n_min, round(m_frac * n_min)))
@@ -639,7 +605,7 @@ def test_design_centre_is_the_expected_mean_kept_weight(ranks, m_frac, scheme):
         p = sampling_distribution(sampling_scores(adv, tokens + 2.0), alpha, support=support)
         filler = (tokens > 0).double() / (tokens + 2.0)
         e_sum, counts, total = 0.0, set(), 0.0
-        for prob, idx, w in _exact_draws(p, m, scheme, filler):
+        for prob, idx, w in _exact_draws(p, m, filler):
             real = support[idx]
             e_sum += prob * float(w[real].sum())
             counts.add(int(real.sum()))
@@ -648,13 +614,13 @@ def test_design_centre_is_the_expected_mean_kept_weight(ranks, m_frac, scheme):
         assert len(counts) == 1, counts  # K is not random
         expected_sums.append(e_sum)
         slot_counts.append(counts.pop())
-        probs = p if scheme == "multinomial" else inclusion_probabilities(p, m, filler)
-        terms.append(sampling.design_weight_terms(probs, support, m, scheme))
+        probs = inclusion_probabilities(p, m, filler)
+        terms.append(sampling.design_weight_terms(probs, support, m))
         assert terms[-1][1] == pytest.approx(slot_counts[-1], abs=1e-9)
         assert terms[-1][0] == pytest.approx(e_sum, rel=1e-9, abs=1e-12)
         k = int(support.sum())
         if k:
-            drawn = k if k >= m or scheme == "multinomial" else m  # systematic, k < m: k rows with w = m/N each
+            drawn = k if k >= m else m  # k < m: k rows with w = m/N each
             assert terms[-1][0] / terms[-1][1] == pytest.approx(drawn / len(adv), rel=1e-9)
     if sum(slot_counts):
         centre = sum(t[0] for t in terms) / sum(t[1] for t in terms)
@@ -662,45 +628,27 @@ def test_design_centre_is_the_expected_mean_kept_weight(ranks, m_frac, scheme):
 
 
 def test_design_centre_examples():
-    """Hand-worked: 8 rows, 4 that can be drawn, m = 2: w̄₀ = 4/8 = 0.5 (both draws); m = 6 > 4 (systematic):
+    """Hand-worked: 8 rows, 4 that can be drawn, m = 2: w̄₀ = 4/8 = 0.5; m = 6 > 4:
     the 4 rows kept for sure with w = 6/8 each and 2 fillers, w̄₀ = 0.75; an empty support has no slots."""
     support = torch.tensor([True] * 4 + [False] * 4)
     p = torch.tensor([0.1, 0.2, 0.3, 0.4] + [0.0] * 4, dtype=torch.float64)
-    e_sum, k = sampling.design_weight_terms(inclusion_probabilities(p, 2), support, 2, "systematic")
+    e_sum, k = sampling.design_weight_terms(inclusion_probabilities(p, 2), support, 2)
     assert (e_sum, k) == (pytest.approx(1.0), pytest.approx(2.0))
-    e_sum, k = sampling.design_weight_terms(p, support, 2, "multinomial")
-    assert (e_sum, k) == (pytest.approx(1.0), pytest.approx(2.0))
-    e_sum, k = sampling.design_weight_terms(inclusion_probabilities(p, 6, torch.ones(8)), support, 6, "systematic")
+    e_sum, k = sampling.design_weight_terms(inclusion_probabilities(p, 6, torch.ones(8)), support, 6)
     assert (e_sum, k) == (pytest.approx(3.0), pytest.approx(4.0))
-    assert sampling.design_weight_terms(torch.full((4,), 0.25), torch.zeros(4, dtype=torch.bool), 2, "systematic") == (
-        0.0,
-        0.0,
-    )
-    with pytest.raises(ValueError):
-        sampling.design_weight_terms(p, support, 2, "poisson")
+    assert sampling.design_weight_terms(torch.full((4,), 0.25), torch.zeros(4, dtype=torch.bool), 2) == (0.0, 0.0)
 
 
 @FAST
 @given(w=pos_weights, center=st.floats(0.0, 4.0))
 def test_normalize_weights_keep_the_given_centre(w, center):
-    """Both normalisations put the weights' mean at w̄₀ (before the floor): w − mean + w̄₀ and w · w̄₀ / mean."""
+    """"recenter" puts the weights' mean at w̄₀ before the floor: max(0, w − mean + w̄₀); "none" ignores it."""
     w = torch.tensor(w, dtype=torch.float64)
-    rec, s1 = normalize_weights(w, "recenter", center=center)
-    torch.testing.assert_close(rec, w - w.mean() + center, rtol=0, atol=1e-9 * float(w.abs().max()))
-    sn, s2 = normalize_weights(w, "self_normalize", center=center)
-    torch.testing.assert_close(sn, w * center / w.mean(), rtol=1e-9, atol=1e-12)
-    assert s2.mean == pytest.approx(center, rel=1e-9, abs=1e-12)
+    rec, _ = normalize_weights(w, "recenter", center=center)
+    expected = (w - w.mean() + center).clamp(min=0.0)
+    torch.testing.assert_close(rec, expected, rtol=0, atol=1e-9 * float(w.abs().max()))
     none, _ = normalize_weights(w, "none", center=center)
     assert torch.equal(none, w)
     for bad in (math.nan, math.inf, -1.0):
         with pytest.raises(ValueError, match="centre"):
             normalize_weights(w, "recenter", center=bad)
-
-
-def test_self_normalize_with_a_subnormal_mean_stays_finite():
-    """A mean so small that w̄₀ / mean overflows (found by hypothesis: w = [2.2e-311]) still gives finite weights:
-    w / mean first (1 here), and the uniform centre where even that overflows (a vanishing mean of mixed signs)."""
-    w, _ = normalize_weights(torch.tensor([2.225073858507e-311], dtype=torch.float64), "self_normalize")
-    torch.testing.assert_close(w, torch.ones(1, dtype=torch.float64))
-    w, _ = normalize_weights(torch.tensor([1e3, -1e3 + 1e-310], dtype=torch.float64), "self_normalize", center=0.5)
-    assert torch.isfinite(w).all()
