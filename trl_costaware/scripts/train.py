@@ -23,10 +23,9 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import yaml
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config, get_quantization_config
 
-from ..config import REMOVED_FIELDS, CostAwareGRPOConfig, removed_fields_message
+from ..config import CostAwareGRPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -163,35 +162,17 @@ def model_choice_error(script_args: CostAwareScriptArguments, model_args: ModelC
     return None
 
 
-def removed_fields_set(argv: Sequence[str]) -> list[str]:
-    """The fields of `REMOVED_FIELDS` that `argv` sets, as ``--name`` / ``--name=value`` or as a key of its
-    ``--config`` YAML (which TRL's parser would turn into flags it rejects without naming the replacement)."""
-    names = {arg[2:].split("=", 1)[0] for arg in argv if arg.startswith("--")}
-    for i, arg in enumerate(argv):
-        path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
-        if arg == "--config" and i + 1 < len(argv):  # a bare trailing --config: `_parse` refuses it
-            path = argv[i + 1]
-        if path is not None and os.path.isfile(path):
-            with open(path) as f:
-                config = yaml.safe_load(f)
-            names |= set(config) if isinstance(config, dict) else set()
-    return [name for name in REMOVED_FIELDS if name in names]
-
-
 def parse_args(argv: Sequence[str] | None = None, prog: str | None = None):
     """(script_args, training_args, model_args) from `argv` (default ``sys.argv[1:]``), ``--config x.yaml`` included.
 
     Parsing loads nothing (no model, dataset or tokenizer), and checks no more than the dataclasses do: `main` refuses
-    arguments that name no model to train (`model_choice_error`). A field removed from the config is a usage error
-    naming its replacement (`config.REMOVED_FIELDS`).
+    arguments that name no model to train (`model_choice_error`).
     """
     return _parse(make_parser(prog), argv)
 
 
 def _parse(parser: TrlParser, argv: Sequence[str] | None):
     argv = list(argv) if argv is not None else sys.argv[1:]
-    if removed := removed_fields_set(argv):
-        parser.error(removed_fields_message(removed))
     if argv and argv[-1] == "--config":  # TRL's parse_args_and_config reads argv[index + 1]: an IndexError
         parser.error("argument --config: expected one argument")
     return parser.parse_args_and_config(argv)
