@@ -98,7 +98,7 @@ def test_the_table_check_catches_each_kind_of_mismatch():
     )
     assert table_mismatches(good, fields) == []
     bad = good.replace("`0.5`", "`0.25`").replace("| `cost_aware_token_budget` | `None` | tokens |\n", "")
-    bad += "| `cost_aware_layout` | `\"auto\"` | gone |\n| `cost_aware` | `True` | again |\n"
+    bad += '| `cost_aware_layout` | `"auto"` | gone |\n| `cost_aware` | `True` | again |\n'
     problems = table_mismatches(bad, fields)
     assert len(problems) == 4, problems
     assert any("cost_aware_kept_fraction" in p and "0.25" in p for p in problems)
@@ -244,7 +244,8 @@ def test_kept_fraction_and_budget_parse_from_the_command_line(tmp_path):
     assert (args.cost_aware_kept_fraction, args.cost_aware_token_budget) == (0.5, None)
     extra = ["--cost_aware_kept_fraction", "0.25", "--cost_aware_token_budget", "300", "--cost_aware_proxy", "uniform"]
     (args,) = TrlParser((CostAwareGRPOConfig,)).parse_args_and_config(base + extra)
-    assert (args.cost_aware_kept_fraction, args.cost_aware_token_budget, args.cost_aware_proxy) == (0.25, 300, "uniform")
+    fields = (args.cost_aware_kept_fraction, args.cost_aware_token_budget, args.cost_aware_proxy)
+    assert fields == (0.25, 300, "uniform")
     with pytest.raises(SystemExit):  # argparse refuses a value outside the field's choices
         TrlParser((CostAwareGRPOConfig,)).parse_args_and_config(base + ["--cost_aware_proxy", "inverse_cost"])
 

@@ -1,5 +1,8 @@
-"""The packed micro-batch layout (`cost_aware_layout="packed"`, docs/layout.md): its pure functions, its config, and
-real runs: the same gradient as the even layout for the same rows, and a 1-row-per-micro-batch run that drops rows."""
+"""The micro-batch layouts (docs/layout.md): their pure functions (`rows.layout`), which one the trainer runs (packed,
+or even with an entropy bonus or a router aux loss: `layout_for`), and real runs: the packed layout gives the even
+layout's gradient for the same rows, and drops rows where the even one cannot (one row per micro-batch).
+
+The even layout is forced in the comparisons with `testing_utils.make_trainer(..., layout="even")`."""
 
 from __future__ import annotations
 
@@ -7,16 +10,16 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from testing_utils import make_config, make_trainer, tiny_dataset
 from transformers import TrainerCallback
 
-from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware.embedded.arithmetic import arithmetic_dataset
+from trl_costaware import trainer as trainer_module
 from trl_costaware.rows.layout import (
     kept_multiple,
+    layout_for,
     optimizer_segments,
     pack_sorted,
     packed_micro_steps,
-    resolve_layout,
     row_mean_scale,
     sampling_floor_warning,
     spread_sorted,
@@ -98,65 +101,99 @@ def test_kept_multiple_and_the_plan_round_m_to_the_layout():
     n = 8  # B = 1, S = 8: the even layout keeps every row, the packed one keeps half
     rows = RowStats(*(torch.ones(n) for _ in RowStats.names()))
     rows = RowStats(**{**vars(rows), "advantages": torch.linspace(-1, 1, n), "costs": torch.arange(1.0, n + 1)})
-    even = PlanSettings(kept_fraction=0.5, steps_per_generation=8)
-    packed = PlanSettings(kept_fraction=0.5, steps_per_generation=8, kept_multiple_of=1)
+    even = PlanSettings(kept_fraction=0.5, steps_per_generation=8, kept_multiple=kept_multiple("even", 8, 8))
+    packed = PlanSettings(kept_fraction=0.5, steps_per_generation=8, kept_multiple=kept_multiple("packed", 8, 8))
     assert plan_batch(rows, even, torch.Generator().manual_seed(0)).m == 8
     assert plan_batch(rows, packed, torch.Generator().manual_seed(0)).m == 4
 
 
-# ---------------------------------------------------------------------------------------------------- config
+# ---------------------------------------------------------------------------------------------------- which layout
+# The runs below: 4 rows per micro-batch, 2 micro-steps per optimizer step, one completion length cap of 8.
+SHAPE = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, max_completion_length=8, max_steps=1)
+
+
 def _config(tmp_path, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=4,
-        max_completion_length=8,
-        max_steps=1,
-        save_strategy="no",
-        bf16=False,
-        logging_steps=1,
-        cost_aware_kept_fraction=0.5,
-    )
-    kwargs.update(overrides)
-    return CostAwareGRPOConfig(**kwargs)
+    return make_config(tmp_path, **{**SHAPE, **overrides})
 
 
-def test_config_resolves_and_refuses_layouts(tmp_path):
-    assert resolve_layout("auto") == "packed"
-    assert resolve_layout("full") == resolve_layout("even_by_length") == resolve_layout("even") == "even"
-    assert resolve_layout("auto", entropy_bonus=True) == "even"
-    with pytest.raises(ValueError, match="cost_aware_layout must be one of"):
-        _config(tmp_path, cost_aware_layout="dense")
-    with pytest.raises(ValueError, match="entropy_coef"):
-        _config(tmp_path, cost_aware_layout="packed", entropy_coef=0.01)
-    args = _config(tmp_path, gradient_accumulation_steps=4, steps_per_generation=8)
-    assert PlanSettings.from_args(args, False).kept_multiple == 2
-    even = _config(tmp_path, cost_aware_layout="even")
-    assert PlanSettings.from_args(even, False).kept_multiple == 2  # steps_per_generation = G = 2
+def test_the_layout_is_packed_unless_a_loss_term_is_added_per_micro_batch(tmp_path):
+    assert layout_for(_config(tmp_path)) == "packed"
+    assert layout_for(_config(tmp_path, entropy_coef=0.01)) == "even"
+    assert layout_for(_config(tmp_path, use_adaptive_entropy=True)) == "even"
+    assert layout_for(_config(tmp_path), aux_loss=True) == "even"  # a router aux loss, known once the model loads
 
 
 def test_config_warns_where_a_shape_cannot_sample(tmp_path):
-    with pytest.warns(UserWarning, match=r"per_device_train_batch_size=1.*cost_aware_layout='even'"):
-        _config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=8, cost_aware_layout="even")
+    # With an entropy bonus the even layout runs: at one row per micro-batch it keeps every row.
+    with pytest.warns(UserWarning, match=r"per_device_train_batch_size=1.*\(the even layout\)"):
+        _config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=8, entropy_coef=0.01)
     with pytest.warns(UserWarning, match="can drop no row"):
         _config(
             tmp_path,
             per_device_train_batch_size=1,
             gradient_accumulation_steps=8,
-            cost_aware_layout="even",
-            cost_aware_kept_fraction="auto",
+            entropy_coef=0.01,
+            cost_aware_token_budget=100,
         )
     import warnings
 
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)
-        _config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=8, num_generations=8)
+        _config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=8, num_generations=8)  # packed
     assert sampling_floor_warning("packed", 1, 8, 1, 0.5) is not None  # every micro-step its own optimizer step
     assert sampling_floor_warning("packed", 2, 8, 8, 0.25) is None
     assert sampling_floor_warning("even", 2, 8, 8, 0.25) is not None  # at least one row per micro-step: 0.5
+
+
+def tiny_moe():
+    """A 1-layer, 2-expert Mixtral on the embedded tokenizer: TRL turns its router aux loss on."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from trl_costaware.embedded.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        max_position_embeddings=128,
+        router_aux_loss_coef=0.01,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model, tokenizer
+
+
+def test_a_router_aux_loss_runs_the_even_layout_and_the_plan_rounds_to_it(tmp_path):
+    """S = G = 4, one row per micro-batch: the packed layout could keep 2 of 4 rows, but a router aux loss (a term per
+    micro-batch) makes the trainer run the even layout, whose unit is S = 4: every row is kept."""
+    from testing_utils import length_reward, logged
+
+    from trl_costaware import CostAwareGRPOTrainer
+
+    model, tokenizer = tiny_moe()
+    args = make_config(
+        tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_completion_length=6, max_steps=1
+    )
+    assert layout_for(args) == "packed"  # what the config alone would run
+    trainer = CostAwareGRPOTrainer(
+        model, [length_reward], args=args, train_dataset=tiny_dataset(8), processing_class=tokenizer
+    )
+    assert trainer.aux_loss_enabled and trainer._layout == "even"
+    trainer.train()
+    assert logged(trainer, "cost_aware/kept_row_fraction") == [
+        1.0
+    ]  # the plan rounded m to the even layout's unit (S = 4)
 
 
 # ---------------------------------------------------------------------------------------------------- real runs
@@ -175,21 +212,23 @@ class GradRecorder(TrainerCallback):
         self.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
-def _train(tmp_path, model_path, name, record_rows=True, **overrides):
+def _train(tmp_path, model_path, name, layout=None, **overrides):
     options = dict(
         optim="sgd",
         learning_rate=0.05,
         lr_scheduler_type="constant",
         max_grad_norm=0.0,
         seed=3,
-        cost_aware_weight_normalization="self_normalize",
+        cost_aware_weight_normalization="recenter",
     )
     options.update(overrides)
-    trainer = CostAwareGRPOTrainer(
+    trainer = make_trainer(
         model_path,
-        [varied_reward],
-        args=_config(tmp_path / name, **options),
-        train_dataset=arithmetic_dataset(32, seed=0),
+        tmp_path / name,
+        rewards=[varied_reward],
+        dataset=tiny_dataset(32),
+        layout=layout,
+        **{**SHAPE, **options},
     )
     recorder = GradRecorder()
     trainer.add_callback(recorder)
@@ -234,8 +273,9 @@ def test_packed_layout_has_the_even_layouts_gradient(tmp_path, tiny_model_path, 
         # split; the packed layout takes the optimizer step's token mean: the same when micro-batches hold equal
         # tokens, so completions run to the cap here (docs/layout.md).
         options["generation_kwargs"] = {"min_new_tokens": 8}
-    _, even, even_shapes = _train(tmp_path, tiny_model_path, "even", cost_aware_layout="even", **options)
-    _, packed, packed_shapes = _train(tmp_path, tiny_model_path, "packed", cost_aware_layout="packed", **options)
+    _, even, even_shapes = _train(tmp_path, tiny_model_path, "even", layout="even", **options)
+    trainer, packed, packed_shapes = _train(tmp_path, tiny_model_path, "packed", **options)
+    assert trainer._layout == "packed"  # the trainer's own choice
     _assert_same_gradients(even, packed)
     assert [s[0] for s in even_shapes] == [2] * len(even_shapes)  # m/S = 2 rows per micro-step
     assert [s[0] for s in packed_shapes] == [4] * (len(even_shapes) // 2)  # 4 rows, half the micro-steps
@@ -244,10 +284,12 @@ def test_packed_layout_has_the_even_layouts_gradient(tmp_path, tiny_model_path, 
 def test_no_op_micro_steps_that_run_the_model_add_no_gradient_and_no_metric(tmp_path, tiny_model_path, monkeypatch):
     """Where a backend cannot skip the model (DeepSpeed), a no-op runs a 1-token forward/backward: the gradient and the
     logged metrics (entropy, clip ratios, KL) are those of the run whose no-ops skip it."""
-    options = dict(loss_type="grpo", steps_per_generation=4, max_steps=2, beta=0.04, cost_aware_layout="packed")
+    options = dict(loss_type="grpo", steps_per_generation=4, max_steps=2, beta=0.04)
     skipped, grads_skipped, shapes_skipped = _train(tmp_path, tiny_model_path, "skip", **options)
-    monkeypatch.setattr(CostAwareGRPOTrainer, "_noop_skippable_backend", property(lambda self: False))
-    monkeypatch.setattr(CostAwareGRPOTrainer, "_pack_fill", property(lambda self: True))  # keep the no-ops
+    monkeypatch.setattr(trainer_module, "noop_skippable", lambda accelerator: False)
+    real_pack = trainer_module.pack_buffer
+    # Keep the fewest, fullest micro-batches (and so the no-ops), which a backend that runs them would not choose.
+    monkeypatch.setattr(trainer_module, "pack_buffer", lambda *a, **k: real_pack(*a, **{**k, "fill": True}))
     ran, grads_ran, shapes_ran = _train(tmp_path, tiny_model_path, "run", **options)
     _assert_same_gradients(grads_skipped, grads_ran)
     assert len(shapes_ran) == 2 * len(shapes_skipped) and shapes_ran.count((1, 2)) == len(shapes_skipped)
@@ -264,7 +306,7 @@ def test_no_op_micro_steps_that_run_the_model_add_no_gradient_and_no_metric(tmp_
 def test_where_no_ops_run_the_model_the_rows_spread_over_the_even_layouts_forwards(
     tmp_path, tiny_model_path, monkeypatch, per_device_train_batch_size
 ):
-    """Where a no-op would run a forward anyway (DeepSpeed: `_noop_skippable_backend` False), the packed layout spreads
+    """Where a no-op would run a forward anyway (DeepSpeed: `packed.noop_skippable` False), the packed layout spreads
     each optimizer step's rows over all its micro-steps, sorted by length: the even layout's gradient, its number of
     forwards and rows per forward, and each forward padded no wider than the even layout's, widest to narrowest
     (`layout.spread_sorted`). So it is never slower than the even layout there."""
@@ -276,10 +318,13 @@ def test_where_no_ops_run_the_model_the_rows_spread_over_the_even_layouts_forwar
         per_device_train_batch_size=per_device_train_batch_size,
         generation_kwargs={"min_new_tokens": 1},
     )
-    _, even, even_shapes = _train(tmp_path, tiny_model_path, "even", cost_aware_layout="even", **options)
-    monkeypatch.setattr(CostAwareGRPOTrainer, "_noop_skippable_backend", property(lambda self: False))
-    trainer, spread, spread_shapes = _train(tmp_path, tiny_model_path, "spread", cost_aware_layout="packed", **options)
-    assert not trainer._pack_fill
+    _, even, even_shapes = _train(tmp_path, tiny_model_path, "even", layout="even", **options)
+    monkeypatch.setattr(trainer_module, "noop_skippable", lambda accelerator: False)
+    fills = []
+    real_pack = trainer_module.pack_buffer
+    monkeypatch.setattr(trainer_module, "pack_buffer", lambda *a, **k: fills.append(k["fill"]) or real_pack(*a, **k))
+    trainer, spread, spread_shapes = _train(tmp_path, tiny_model_path, "spread", **options)
+    assert trainer._layout == "packed" and fills and not any(fills)
     _assert_same_gradients(even, spread)
     assert len(spread_shapes) == len(even_shapes)  # no no-op: every position trains rows, as under the even layout
     assert sorted(s[0] for s in spread_shapes) == sorted(s[0] for s in even_shapes)
@@ -360,9 +405,8 @@ def test_one_row_per_micro_batch_drops_rows_and_its_update_compute_falls_with_th
         optim="adamw_torch",
         max_grad_norm=1.0,
     )
-    with pytest.warns(UserWarning, match="per_device_train_batch_size=1"):
-        even, _, even_shapes = _train(tmp_path, tiny_model_path, "even", cost_aware_layout="even", **options)
-    packed, _, packed_shapes = _train(tmp_path, tiny_model_path, "packed", **options)  # the default layout
+    even, _, even_shapes = _train(tmp_path, tiny_model_path, "even", layout="even", **options)
+    packed, _, packed_shapes = _train(tmp_path, tiny_model_path, "packed", **options)  # the trainer's layout
     assert packed._layout == "packed"
     assert even._cost_aware_totals["rows_kept"] == 8 and len(even_shapes) == 8
     assert packed._cost_aware_totals["rows_kept"] == 4 and len(packed_shapes) == 4

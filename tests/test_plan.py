@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from trl import GRPOTrainer
 
 from trl_costaware.rows import plan as plan_module
-from trl_costaware.rows.sampling import stream_seed
 from trl_costaware.rows.batching import KNOWN_KEYS, check_keys, select_rows, trim_to_longest
 from trl_costaware.rows.plan import LOSS_NORMALISERS, PlanSettings, RowStats, check_loss_type, plan_batch
+from trl_costaware.rows.sampling import stream_seed
 
 
 def ht_settings(**kwargs) -> PlanSettings:

@@ -254,7 +254,7 @@ def test_normalize_weights_means(w):
     method=st.sampled_from(sampling.WEIGHT_NORMALIZATIONS),
 )
 def test_recenter_floors_at_zero_and_reports_it(w, method):
-    """"recenter" is w − mean + 1 floored at 0 (a negative weight would flip a row's advantage), with the floored
+    """`recenter` is w − mean + 1 floored at 0 (a negative weight would flip a row's advantage), with the floored
     fraction reported; "none" is the identity and floors nothing."""
     w = torch.tensor(w, dtype=torch.float64)
     out, stats = normalize_weights(w, method)
@@ -642,7 +642,7 @@ def test_design_centre_examples():
 @FAST
 @given(w=pos_weights, center=st.floats(0.0, 4.0))
 def test_normalize_weights_keep_the_given_centre(w, center):
-    """"recenter" puts the weights' mean at w̄₀ before the floor: max(0, w − mean + w̄₀); "none" ignores it."""
+    """`recenter` puts the weights' mean at w̄₀ before the floor: max(0, w − mean + w̄₀); "none" ignores it."""
     w = torch.tensor(w, dtype=torch.float64)
     rec, _ = normalize_weights(w, "recenter", center=center)
     expected = (w - w.mean() + center).clamp(min=0.0)

@@ -5,7 +5,8 @@ Each rank writes to --out:
 
     rank{r}.pt     the full final state dict (float32, CPU; ZeRO-3 parameters gathered first)
     rank{r}.json   log history, the globally normalised weight vector of every generation batch as this rank saw
-                   it, the factors this rank applied, its kept-row count, and the backend it ran under
+                   it, the factors this rank applied, its kept-row count (and, under a token budget, the count its
+                   own budget gave, before the reduction over ranks), and the backend it ran under
 
 The parent test compares these across ranks and across backends. Two reward modes:
 
@@ -57,22 +58,18 @@ def parse_args(argv=None):
     p.add_argument("--deepspeed", default=None, help="DeepSpeed JSON config (else: whatever the launcher set up)")
     p.add_argument("--lora", action="store_true")
     p.add_argument("--reward", choices=["varied", "rank_dependent"], default="varied")
-    p.add_argument("--weight-normalization", default="self_normalize")
+    p.add_argument("--weight-normalization", default="recenter")
     p.add_argument("--max-steps", type=int, default=2)
     p.add_argument("--grad-accum", type=int, default=2)
     p.add_argument("--per-device-batch", type=int, default=4)
-    p.add_argument("--kept-fraction", default="0.5", help="a number, 'auto' or 'compute'")
-    p.add_argument("--cost-model", default="time", help="cost_aware_cost_model (with --kept-fraction compute)")
+    p.add_argument("--kept-fraction", type=float, default=0.5)
     p.add_argument("--token-budget", type=int, default=None, help="cost_aware_token_budget (replaces the fraction)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--beta", type=float, default=0.0)
     p.add_argument("--max-completion-length", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layout", default="auto", help="cost_aware_layout")
+    p.add_argument("--layout", choices=["packed", "even"], default=None, help="force a layout (else the trainer's)")
     p.add_argument("--optim", default="adamw_torch", help="sgd: the weights move by the gradient itself")
-    p.add_argument("--prompt-fraction", default="1.0", help="cost_aware_prompt_fraction: a number or 'auto'")
-    p.add_argument("--plain", action="store_true", help="cost_aware=False (GRPO, with the prompt count)")
-    p.add_argument("--noise-probe-every", type=int, default=8, help="cost_aware_noise_probe_every (0: off)")
     return p.parse_args(argv)
 
 
@@ -111,8 +108,7 @@ def main(argv=None) -> int:
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware import trainer as trainer_module
     from trl_costaware.embedded.arithmetic import arithmetic_dataset
-    from trl_costaware.kept_count.budget import KeptFraction
-    from trl_costaware.kept_count.prompt_count import PromptFraction
+    from trl_costaware.rows.sampling import kept_rows_for_token_budget
 
     os.makedirs(args.out, exist_ok=True)
     config = CostAwareGRPOConfig(
@@ -136,15 +132,10 @@ def main(argv=None) -> int:
         save_strategy="no",
         disable_tqdm=True,
         dataloader_num_workers=0,
-        cost_aware_kept_fraction=KeptFraction(args.kept_fraction),
-        cost_aware_cost_model=args.cost_model,
+        cost_aware_kept_fraction=args.kept_fraction,
         cost_aware_token_budget=args.token_budget,
         cost_aware_weight_normalization=args.weight_normalization,
-        cost_aware_layout=args.layout,
         optim=args.optim,
-        cost_aware=not args.plain,
-        cost_aware_prompt_fraction=PromptFraction(args.prompt_fraction),
-        cost_aware_noise_probe_every=args.noise_probe_every,
     )
     peft_config = None
     if args.lora:
@@ -164,6 +155,8 @@ def main(argv=None) -> int:
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    if args.layout is not None:  # the trainer reads `_layout` when it draws and lays out a generation batch
+        trainer._layout = args.layout
 
     # Record what the sampler normalised (the weights of all ranks' slots, fillers 0) and what this rank applied.
     record = {
@@ -173,7 +166,7 @@ def main(argv=None) -> int:
         "kept": [],
         "budget_rows": [],
         "eligible_rows": [],
-        "prompt_inputs": [],  # inputs handed to TRL per training generation batch (cost_aware_prompt_fraction)
+        "kept_multiple": [],
     }
     original_plan = trainer_module.plan_batch
     original_draw = trainer._draw_kept_rows
@@ -182,24 +175,19 @@ def main(argv=None) -> int:
         plan = original_plan(rows, settings, *a, **kw)
         record["global_weights"].append(plan.global_weights.tolist())
         record["global_filler"].append(plan.global_filler.tolist())
-        record["budget_rows"].append(plan.rule_m)  # this rank's own count, before the reduction over ranks
+        if settings.token_budget is not None:  # this rank's own count, before the reduction over ranks
+            own = kept_rows_for_token_budget(plan.p, rows.costs, settings.token_budget, len(rows))
+            record["budget_rows"].append(own)
         record["eligible_rows"].append(int(plan.eligible.sum()))  # this rank's rows that can carry gradient
+        record["kept_multiple"].append(settings.kept_multiple)
         return plan
 
     def draw_and_record(batch):
-        indices, factors = original_draw(batch)
-        record["factors"].append(factors.tolist())
-        record["kept"].append(len(indices))
-        return indices, factors
+        plan = original_draw(batch)
+        record["factors"].append(plan.factors.tolist())
+        record["kept"].append(len(plan.indices))
+        return plan
 
-    original_select = trainer._select_prompts
-
-    def select_and_record(inputs):
-        chosen = original_select(inputs)
-        record["prompt_inputs"].append(len(chosen))
-        return chosen
-
-    trainer._select_prompts = select_and_record
     trainer_module.plan_batch = plan_and_record  # the trainer calls plan_batch through its module global
     trainer._draw_kept_rows = draw_and_record
 
