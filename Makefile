@@ -71,8 +71,8 @@ diagnose-default: $(STAMP)
 	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.diagnose --testbed default
 
 # Rebuild both testbeds' warm-ups from their recipes on this machine (~1 + ~6-10 min on one core) into
-# outputs/rebuilt/, and compare each with the shipped weights (SHA-256, max |difference|). BENCHMARKS.md §5,
-# "Rebuilding the testbeds on any machine", says why a rebuild on another CPU need not match.
+# outputs/rebuilt/, and compare each with the shipped weights (SHA-256, max |difference|). docs/embedded.md says
+# why a rebuild on another CPU need not match.
 rebuild-testbeds: $(STAMP)
 	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.rebuild default --out outputs/rebuilt/default
 	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.rebuild long --out outputs/rebuilt/long
@@ -90,7 +90,7 @@ clean:
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
 # One target per script; benchmarks/README.md says which question each answers and where its result lies, and
-# BENCHMARKS.md has the tables. `make bench-quick` runs the smoke versions of the four that have one (the SGD/subset
+# RESULTS.md has the tables. `make bench-quick` runs the smoke versions of the four that have one (the SGD/subset
 # ones write to benchmarks/results/tmp, the others to *_quick files); `make bench` the full ones (several hours on 2
 # cores). The regime matrix, the noise-scale check, the batch shapes and the step profile run on their own.
 BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -119,7 +119,7 @@ bench-token-efficiency: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/token_efficiency.py $(QUICK) $(TE_ARGS)
 	$(if $(QUICK),,$(BENCH_ENV) $(BIN)/python benchmarks/token_efficiency.py --compute-to-target)
 
-# The regime matrix (BENCHMARKS.md §6): which kept fraction and weights are the default, decided by compute to the
+# The regime matrix (RESULTS.md §1, §4): which kept fraction and weights are the default, decided by compute to the
 # target and end accuracy at GRPO's compute, per compute split, over cells chosen by a measured property.
 # `make bench-regime QUICK=1` is the smoke version (tiny batches, 3 steps; results beside its runs in
 # outputs/bench/regime_matrix_smoke).

@@ -250,7 +250,7 @@ PAIRS += [("cost_aware_auto_recenter", "cost_aware_0.5_recenter"), ("uniform_0.2
 # the `auto` default against the smaller fixed fraction (fewer tokens, but is the accuracy kept?), both weights
 PAIRS += [("cost_aware_auto", "cost_aware_0.25"), ("cost_aware_auto_recenter", "cost_aware_0.25_recenter")]
 PAIRS += [("cost_aware_auto_recenter_loss_aware", "cost_aware_auto_recenter")]
-PAIRS += [("cost_aware_0.5_recenter", "cost_aware_0.5")]  # an option against its default (BENCHMARKS.md §5)
+PAIRS += [("cost_aware_0.5_recenter", "cost_aware_0.5")]  # an option against its default (RESULTS.md §4)
 THEORY_KEYS = ("j_ratio_ideal", "j_ratio_achieved", "kept_token_fraction", "informative_fraction")
 
 
@@ -493,7 +493,7 @@ def write_results(root: str, steps: int, tag: str, command: str, testbed: str = 
 
 # =============================================================================================== compute to target
 # What a run costs to the target, as a user pays it, from the committed runs of this benchmark (issue 26, item 3;
-# `--compute-to-target`, BENCHMARKS.md §7; until issue 33 it was benchmarks/compute_to_target.py). Per arm and seed,
+# `--compute-to-target`, RESULTS.md §1). Per arm and seed,
 # paired with the same seed's GRPO run of the same results file: steps, generated tokens and policy tokens to the
 # target (as `reach` interpolates them), and compute to the target in GRPO-step units
 # (`trl_costaware.tracking.compare.compute`):

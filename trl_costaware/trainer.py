@@ -72,17 +72,6 @@ def text_only_processing_class(model, processing_class, args):
     return processing_class
 
 
-def host_floats(values: list) -> list[float]:
-    """`values` (Python numbers and 0-d device tensors, mixed) as Python floats, in order: the tensors are read in one
-    device→host copy."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [float(v) for v in values]
-    device = tensors[0].device
-    read = iter(torch.stack([t.detach().to(device).reshape(()).float() for t in tensors]).cpu().tolist())
-    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
-
-
 class CostAwareGRPOTrainer(GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
@@ -101,7 +90,6 @@ class CostAwareGRPOTrainer(GRPOTrainer):
       passes`), then draws the kept rows (`_draw_kept_rows` → `plan.plan_batch`) and weights their advantages;
     - `_prepare_inputs`: lays out each new buffer once (`_process_new_buffer`: packing, trimming, deferred passes);
     - `_compute_loss`: no-op micro-steps, and the one place β is scaled (packed micro-batches, batch-token losses);
-    - `_clip_grad_norm`: logs whether the gradient was clipped;
     - `log`: the cumulative token counters and token-weighted metric means;
     - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the sampler's streams and counters, so a resumed run
       draws what the uninterrupted one would.
@@ -566,25 +554,9 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         per_row = self.args.importance_sampling_level == "sequence"
         token_weighted_means(self._metrics["train"], tokens, rows, per_row)
 
-    def _clip_grad_norm(self, model):
-        """Records, per optimizer step, whether `max_grad_norm` clipped the gradient (`cost_aware/grad_clipped`, its
-        window mean is the fraction of clipped steps), in both arms. The flag stays on the device until `log`."""
-        norm = super()._clip_grad_norm(model)
-        if norm is not None:
-            clipped = (torch.as_tensor(norm).detach().float() > self.args.max_grad_norm).float()
-            self._metrics["train"]["cost_aware/grad_clipped"].append(clipped)
-        return norm
-
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        # TRL averages the window of the mode it logs and clears only that one: an evaluation-time `log` leaves the
-        # train window open, so the flags appended after it join floats already read. Read every flag still on the
-        # device (one device→host copy per logging step), whatever its position.
-        mode = "train" if self.model.training else "eval"
-        flags = self._metrics[mode].get("cost_aware/grad_clipped")
-        if flags:
-            self._metrics[mode]["cost_aware/grad_clipped"] = host_floats(flags)
-        if mode == "train":
+        if self.model.training:
             self._token_weighted_metrics()  # packed micro-batches: means over the window's tokens (packed.py)
         # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
         # eval curves can be drawn against policy tokens too. They go on the logged row only: transformers returns

@@ -33,7 +33,7 @@ from typing import Any
 
 from .shipped import SHIPPED
 
-# The criteria of the long testbed (issue 18; BENCHMARKS.md, "The long testbed").
+# The criteria of the long testbed (docs/embedded.md).
 CRITERIA = {
     "length_spread": ("p90/p10 of completion lengths", ">= 6", lambda v: v >= 6),
     "cap": ("length cap (tokens)", ">= 96", lambda v: v >= 96),

@@ -6,7 +6,7 @@
 
 The shipped weights (`shipped.py`) are what every testbed loads; this is the recipe that made them, kept so that
 anyone can check it. A rebuild is bit-exact only on a machine whose float kernels round as the build machine's did
-(BENCHMARKS.md §5, "Rebuilding the testbeds on any machine"): run it under ``ATEN_CPU_CAPABILITY=avx2`` to see how
+(docs/embedded.md): run it under ``ATEN_CPU_CAPABILITY=avx2`` to see how
 far another CPU's rounding takes the long recipe.
 """
 

@@ -3,8 +3,8 @@
 The warm-ups in `warmup.py` are the recipes that made these files. Rebuilt on another machine they need not give the
 same model: float kernels round differently from one CPU to another (AVX-512 or AVX2 or plain vector code, MKL's
 code path for the CPU), the long recipe amplifies a one-ulp difference into a different testbed, and even the random
-initialisation differs in the last bit where torch's normal sampler takes another code path (BENCHMARKS.md §5,
-"Rebuilding the testbeds on any machine"). So the testbeds load these files, each checked against the SHA-256 below,
+initialisation differs in the last bit where torch's normal sampler takes another code path (docs/embedded.md).
+So the testbeds load these files, each checked against the SHA-256 below,
 and the recipe is run only when asked: ``rebuild=True`` in `warmed_up_model_path` / `tiny_model_path`, or
 ``TRL_COSTAWARE_REBUILD=1`` in the environment.
 

@@ -31,7 +31,7 @@ from .counting import LONG_MAX_COMPLETION_LENGTH
 from .tasks import get_task
 from .warmup import WARMUP_RECIPES, evaluate_accuracy, warmed_up_model_path
 
-# The GRPO recipe on the embedded default (BENCHMARKS.md, "Testbed"): 64 prompts x 16 rollouts = 1,024 rollouts per
+# The GRPO recipe on the embedded default (docs/embedded.md): 64 prompts x 16 rollouts = 1,024 rollouts per
 # optimizer step (at 256 the gradient is mostly noise), Adam lr 1e-4 after a 10-step linear warm-up (TRL ignores
 # warmup_steps under "constant"), dapo loss, no KL, T = 1. Measured (seed 2): held-out sampled accuracy 0.654 -> 0.887
 # at step 30 -> 0.92 at step 50, greedy 0.988 -> 0.986; lr 3e-4 learns as fast but greedy wanders (0.945-0.977).
@@ -64,7 +64,7 @@ POOL_SEED = 4242  # the problems of a fixed training pool (`train_run(pool=...)`
 # optimizer step, split into 8 micro-batches of 16 rows (steps_per_generation = gradient_accumulation_steps, TRL's
 # default), cap 96 tokens, the rest as the default recipe. Right completions are 2 to 80 tokens; one that misses its
 # stop runs on to the cap. At 32 x 8 the update was nearly free to subsample (uniform kept 0.25: 1.17x GRPO's steps to
-# the target, one seed); at 16 x 8 it is noise-limited as real GRPO updates are. BENCHMARKS.md ("The long testbed").
+# the target, one seed); at 16 x 8 it is noise-limited as real GRPO updates are. docs/embedded.md.
 LONG_RECIPE: dict[str, Any] = {
     **GRPO_RECIPE,
     "per_device_train_batch_size": 16,

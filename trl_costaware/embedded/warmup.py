@@ -53,7 +53,7 @@ WARMUP_RECIPES = {
     # The default: 1-4 terms, 1000 steps, 30% repeated answers. Held-out (512 problems): greedy 0.99, sampled (T=1)
     # 0.65 (0.77 for one term, 0.54 for four): the arithmetic is learnt, sampling at T=1 and the habit are not.
     "default": WarmupRecipe(steps=1000, max_terms=DEFAULT_MAX_TERMS, repeat_fraction=0.3),
-    # The earlier default (1-6 terms, 500 clean steps), on which plain GRPO does not learn (BENCHMARKS.md).
+    # The earlier default (1-6 terms, 500 clean steps), on which plain GRPO does not learn.
     "sums6": WarmupRecipe(steps=500, max_terms=LEGACY_MAX_TERMS, repeat_fraction=0.0),
     # The long testbed: counting (`counting.py`), 1200 clean steps (held-out sampled accuracy 0.94, no run-ons), then
     # 150 steps at lr 3e-4 where 25% of the completions run on past the stop (sampled 0.56, 28% truncated at the cap).
@@ -184,7 +184,7 @@ def warmed_up_model_path(
     same on every machine and with no training. With `rebuild` (default ``$TRL_COSTAWARE_REBUILD``), and for any other
     seed, step count or recipe, the recipe runs on this machine (~40 s on one core for "default", ~6-10 min for
     "long"), from `tiny_model_path(seed=seed, rebuild=rebuild)`; a rebuild need not match the shipped weights bit for
-    bit on another CPU (BENCHMARKS.md §5, "Rebuilding the testbeds on any machine"). Cached like `tiny_model_path`.
+    bit on another CPU (docs/embedded.md). Cached like `tiny_model_path`.
     """
     if recipe not in WARMUP_RECIPES:
         raise ValueError(f"recipe must be one of {sorted(WARMUP_RECIPES)}, got {recipe!r}")

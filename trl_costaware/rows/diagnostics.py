@@ -20,8 +20,7 @@ def rank_sums(
 ) -> dict[str, float]:
     """This rank's additive statistics of one draw (summed over ranks by the caller, then fed to `batch_metrics`).
 
-    rows N; draws m; kept = |{i : i drawn}| (inclusion mask); dropped = N − |unique(indices)| (counted separately, so
-    kept + dropped = N checks the draw's bookkeeping); informative = |{i : A_i ≠ 0 and T_i > 0}| (rows whose policy
+    rows N; draws m; kept = |{i : i drawn}|; informative = |{i : A_i ≠ 0 and T_i > 0}| (rows whose policy
     term is non-zero); eligible = |S| (the sampling support); kept_informative = informative rows in the sample;
     rollout_tokens = Σ_i (prompt + generated tokens) of every row, including tokens a truncation mask hides from the
     loss; kept_rollout_tokens = the same over drawn rows; loss_tokens and kept_loss_tokens = Σ T_i over all / drawn
@@ -35,7 +34,6 @@ def rank_sums(
         "rows": float(n),
         "draws": float(draws),
         "kept": float(in_sample.sum()),
-        "dropped": float(n - len(torch.unique(indices))),
         "informative": float(informative.sum()),
         "kept_informative": float((informative & in_sample).sum()),
         "eligible": float(eligible.sum()),
@@ -54,16 +52,14 @@ def rank_sums(
 def batch_metrics(total: dict[str, float]) -> dict[str, float]:
     """Logged metrics (prefix `cost_aware/`) from the rank sums of `rank_sums`:
 
-    kept_row_fraction = m/N; kept_unique_row_fraction = kept/N; kept_token_fraction = kept rollout tokens / rollout
+    kept_row_fraction = m/N; kept_token_fraction = kept rollout tokens / rollout
     tokens; kept_loss_token_fraction = kept T / T; informative_fraction = informative/N; kept_informative_fraction =
     kept informative rows / kept rows (1 when every slot carries policy gradient); eligible_fraction = |S|/N;
-    zero_signal_ranks; j_ratio_ideal, j_ratio_achieved (means over ranks); batch_rows_generated / kept / dropped and
-    count_check = N − kept − dropped (0 unless the draw's bookkeeping is wrong)."""
+    zero_signal_ranks; j_ratio_ideal, j_ratio_achieved (means over ranks); batch_rows_generated / kept."""
     rows, kept = total["rows"], total["kept"]
     ranks = total["ranks"]
     return {
         "kept_row_fraction": total["draws"] / rows,
-        "kept_unique_row_fraction": kept / rows,
         "kept_token_fraction": total["kept_rollout_tokens"] / max(total["rollout_tokens"], 1.0),
         "kept_loss_token_fraction": total["kept_loss_tokens"] / max(total["loss_tokens"], 1.0),
         "informative_fraction": total["informative"] / rows,
@@ -74,6 +70,4 @@ def batch_metrics(total: dict[str, float]) -> dict[str, float]:
         "j_ratio_achieved": total["j_achieved"] / ranks,
         "batch_rows_generated": rows,
         "batch_rows_kept": kept,
-        "batch_rows_dropped": total["dropped"],
-        "count_check": rows - kept - total["dropped"],
     }
