@@ -83,6 +83,7 @@ TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {
     },
 }
 
+
 def trainer_for(kind: str):
     """(trainer class, settings it needs) for an arm's trainer kind."""
     from trl_costaware import CostAwareGRPOTrainer
