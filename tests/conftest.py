@@ -63,3 +63,11 @@ def pytest_configure(config):
         "markers",
         "mc_full: Monte Carlo matrix at full K (~9000 draws a case, about 2 h on one core); `make test-all` only",
     )
+
+
+@pytest.fixture(scope="session")
+def dataset():
+    """The suite's training prompts: 64 embedded arithmetic prompts (seed 0)."""
+    from testing_utils import tiny_dataset
+
+    return tiny_dataset()

@@ -1,18 +1,21 @@
 """The cross-rank collectives send no float64 to the device (not every device has it: MPS has none), and their
 results stay float64-exact: `plan.AcceleratorCollective` (the plan's three calls, the trainer's counters) and the
-vLLM ratio log (`deferred._log_vllm_ratio`). The device is emulated (tests/fake_device.py) and refuses float64."""
+vLLM ratio log (`CostAwareGRPOTrainer._log_vllm_ratio`, whose metrics are TRL's over ranks). The device is emulated
+(tests/fake_device.py) and refuses float64."""
 
 from __future__ import annotations
 
 import math
+import types
+from collections import defaultdict
 
 import pytest
 import torch
 from fake_device import FakeAccelerator, is_marked
 from test_plan import make_rows
-from test_trainer_review import _chunk, _host, _trl_values
 from torch.utils._pytree import tree_flatten
 
+from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.rows.deferred import VLLM_METRICS
 from trl_costaware.rows.plan import (
     AcceleratorCollective,
@@ -52,11 +55,71 @@ class Ranks:
         return torch.cat([x, self.other(x)])
 
 
+def _chunk(old, sampling, mask, ratio):
+    return {
+        "old_per_token_logps": torch.tensor(old),
+        "sampling_per_token_logps": torch.tensor(sampling),
+        "completion_mask": torch.tensor(mask),
+        "importance_sampling_ratio": torch.tensor(ratio),
+    }
+
+
+def _host(accelerator, mode="token_truncate"):
+    """What `CostAwareGRPOTrainer._log_vllm_ratio` reads of its trainer, around the given accelerator."""
+    host = types.SimpleNamespace(
+        accelerator=accelerator,
+        vllm_importance_sampling_mode=mode,
+        _metrics={"train": defaultdict(list)},
+        _cost_aware_totals=defaultdict(float),
+        _loss_mask=lambda chunk: chunk["completion_mask"],
+    )
+    host._log_vllm_ratio = types.MethodType(CostAwareGRPOTrainer._log_vllm_ratio, host)
+    return host
+
+
+def _trl_values(ranks):
+    """TRL's own reductions (GRPOTrainer._generate_and_score_completions), rank by rank, then over ranks."""
+    means, maxes, r_mins, r_means, r_maxes = [], [], [], [], []
+    for chunks in ranks:
+        delta = torch.cat([(c["old_per_token_logps"] - c["sampling_per_token_logps"]).abs().flatten() for c in chunks])
+        mask = torch.cat([c["completion_mask"].bool().flatten() for c in chunks])
+        ratio = torch.cat([c["importance_sampling_ratio"].flatten() for c in chunks])
+        d = delta[mask & ~torch.isnan(delta)]
+        means.append(d.mean() if d.numel() else torch.tensor(0.0))
+        maxes.append(d.max() if d.numel() else torch.tensor(0.0))
+        r = ratio[mask]
+        r_mins.append(r.min() if r.numel() else torch.tensor(0.0))
+        r_means.append(r.mean() if r.numel() else torch.tensor(0.0))
+        r_maxes.append(r.max() if r.numel() else torch.tensor(0.0))
+    return [
+        float(torch.stack(means).mean()),
+        float(torch.stack(maxes).max()),
+        float(torch.stack(r_mins).min()),
+        float(torch.stack(r_means).mean()),
+        float(torch.stack(r_maxes).max()),
+    ]
+
+
 def test_float64_bits_round_trip_exactly():
     x = torch.tensor([1.0 + 2**-52, 1e300, -1e-300, math.inf, 1 / 3, 2.0**53 + 2], dtype=torch.float64)
     bits = float64_bits(x)
     assert bits.dtype == torch.int64
     assert torch.equal(to_float64(bits), x)
+
+
+def test_weights_gather_is_float64_bit_for_bit():
+    """`AcceleratorCollective.cat` carries the float64 weights exactly (a float32 round trip would move them)."""
+
+    class Mirror:
+        process_index, num_processes = 0, 2
+
+        def gather(self, x):
+            return torch.cat([x, x])
+
+    x = torch.tensor([[1.0 + 1e-12, 0.0], [1.0 / 3.0, 1.0], [1e-300, 0.0]], dtype=torch.float64)
+    out = AcceleratorCollective(Mirror(), torch.device("cpu")).cat(x)
+    assert out.dtype == torch.float64
+    assert torch.equal(out, torch.cat([x, x]))
 
 
 def test_sum_sends_no_float64_and_is_exact():

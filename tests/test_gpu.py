@@ -6,38 +6,50 @@ host/device bugs these runs would hit is `tests/test_device.py`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
-from test_trainer import _grad, _mc_gradients, _z_score, fixed_batch, length_reward, make_args, weights_of
+from testing_utils import LOSS_TYPES, fixed_batch, last_metric, length_reward, make_config, weights_of
 from trl import GRPOTrainer
 
 from trl_costaware import CostAwareGRPOTrainer
-from trl_costaware.embedded.arithmetic import arithmetic_dataset
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (make test-gpu)"),
 ]
 
-LOSS_TYPES = ["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return arithmetic_dataset(64, seed=0)
-
 
 def _args(tmp_path, **overrides):
-    """test_trainer's settings, on the GPU in bf16."""
-    return make_args(tmp_path, **{"use_cpu": False, "bf16": True, "max_completion_length": 16, **overrides})
+    """The suite's tiny run, on the GPU in bf16."""
+    return make_config(tmp_path, **{"use_cpu": False, "bf16": True, "max_completion_length": 16, **overrides})
 
 
-def _last(trainer, key):
-    values = [row[key] for row in trainer.state.log_history if key in row]
-    assert values, f"{key} never logged"
-    return values[-1]
+def _grad(trainer, batch):
+    trainer.model.zero_grad()
+    loss = trainer._compute_loss(trainer.model, batch)
+    loss.backward()
+    return torch.cat([p.grad.flatten().clone() for p in trainer.model.parameters() if p.grad is not None])
+
+
+def _mc_gradients(trainer, raw_inputs, draws):
+    grads = []
+    for _ in range(draws):
+        trainer._buffered_inputs = None
+        trainer._step = 0
+        micro = trainer._prepare_inputs(raw_inputs)
+        grads.append(_grad(trainer, micro))
+    return torch.stack(grads).double()
+
+
+def _z_score(grads, target):
+    """‖mean − target‖² / (tr Cov / K): about 1 for an unbiased estimator, growing like K·bias² otherwise."""
+    k = len(grads)
+    err = (grads.mean(0) - target).pow(2).sum()
+    var = grads.var(0).sum() / k
+    return float(err / var)
 
 
 RUNS = {f"loss={lt}": dict(loss_type=lt) for lt in LOSS_TYPES}
@@ -50,11 +62,8 @@ RUNS.update(
         "num_iterations=2": dict(num_iterations=2, steps_per_generation=2, gradient_accumulation_steps=1),
         "spg=2xGA": dict(steps_per_generation=4, gradient_accumulation_steps=2),
         "token-budget": dict(cost_aware_token_budget=80),
-        "group-by-length": dict(
-            steps_per_generation=4, gradient_accumulation_steps=4, cost_aware_layout="even_by_length"
-        ),
-        "multinomial-selfnorm": dict(cost_aware_draw="multinomial", cost_aware_weight_normalization="self_normalize"),
-        "weights-none": dict(cost_aware_weight_normalization="none"),  # the default is "recenter"
+        "weights-recenter": dict(cost_aware_weight_normalization="recenter"),  # the default is "none"
+        "proxy-loss-aware": dict(cost_aware_proxy="loss_aware"),
     }
 )
 
@@ -68,9 +77,9 @@ def test_two_step_run_bf16(tmp_path, warm_model_path, dataset, overrides):
     before = weights_of(trainer.model)
     trainer.train()
     assert not torch.equal(before, weights_of(trainer.model))
-    assert math.isfinite(_last(trainer, "loss"))
-    assert _last(trainer, "cost_aware/kept_row_fraction") < 1.0
-    assert _last(trainer, "cost_aware/policy_tokens") < _last(trainer, "cost_aware/rollout_tokens")
+    assert math.isfinite(last_metric(trainer, "loss"))
+    assert last_metric(trainer, "cost_aware/kept_row_fraction") < 1.0
+    assert last_metric(trainer, "cost_aware/policy_tokens") < last_metric(trainer, "cost_aware/rollout_tokens")
 
 
 def test_lora_bf16(tmp_path, warm_model_path, dataset):
@@ -140,8 +149,8 @@ def test_cost_aware_gradient_is_unbiased_on_cuda(tmp_path, tiny_model_path, data
     original = trainer._draw_kept_rows
 
     def unweighted(batch):
-        idx, factors = original(batch)
-        return idx, torch.ones_like(factors)
+        plan = original(batch)
+        return dataclasses.replace(plan, factors=torch.ones_like(plan.factors))
 
     monkeypatch.setattr(trainer, "_draw_kept_rows", unweighted)
     assert _z_score(_mc_gradients(trainer, raw_inputs, 400), target) > 30.0

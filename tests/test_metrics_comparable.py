@@ -1,25 +1,27 @@
 """What the trainer returns and logs, against GRPOTrainer on the same tiny run: `evaluate()` and `train()` return
-GRPOTrainer's keys (the cumulative counters go on the logged rows only), and under the packed layout TRL's
-per-micro-batch metrics are means over the step's tokens."""
+GRPOTrainer's keys (the cumulative counters go on the logged rows only), every logged value is a plain number (also
+with evaluations between logging steps, then a checkpoint), and under the packed layout TRL's per-micro-batch metrics
+are means over the step's tokens."""
 
 from __future__ import annotations
 
+import json
+import numbers
+import os
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
-from test_trainer import length_reward, make_args  # the suite's tiny-run settings and reward
+from testing_utils import length_reward, make_config, make_trainer, tiny_dataset
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware.embedded.arithmetic import arithmetic_dataset
-from trl_costaware.rows.packed import PackedLayout
 
 
 def _args(tmp_path, cls, **overrides):
     settings = dict(per_device_eval_batch_size=8, max_completion_length=10, max_steps=1)
-    return make_args(tmp_path, cls, **{**settings, **overrides})
+    return make_config(tmp_path, cls, **{**settings, **overrides})
 
 
 # ---------------------------------------------------------------------------------------------------- returned keys
@@ -34,7 +36,7 @@ def test_evaluate_and_train_return_grpo_trainers_keys(tmp_path, tiny_model_path,
     `default_compute_objective` sums every metric), while the logged rows still carry them. Also when training ends
     with a logging window open (its per-batch `cost_aware/*` means must not reach the returned metrics) and without
     tqdm (transformers' PrinterCallback then deletes `total_flos` from the dict it is given)."""
-    train, evaluation = arithmetic_dataset(16, seed=0), arithmetic_dataset(8, seed=1)
+    train, evaluation = tiny_dataset(16), tiny_dataset(8, seed=1)
     base = GRPOTrainer(
         tiny_model_path,
         [length_reward],
@@ -61,6 +63,39 @@ def test_evaluate_and_train_return_grpo_trainers_keys(tmp_path, tiny_model_path,
     assert eval_rows and train_rows
     for row in (eval_rows[-1], train_rows[-1]):
         assert row["cost_aware/policy_tokens"] > 0 and row["cost_aware/rows_generated"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cost_aware", [True, False])
+def test_eval_between_logging_steps_then_checkpoint(tmp_path, tiny_model_path, cost_aware):
+    """eval_steps=2, logging_steps=5, save_steps=6: an evaluation-time `log` inside an open train window leaves no
+    device tensor in the logged rows (TRL's `TrainerState.save_to_json` serialises `log_history`), and the
+    checkpoint's trainer_state.json is written."""
+    trainer = make_trainer(
+        tiny_model_path,
+        tmp_path,
+        dataset=tiny_dataset(32),
+        eval_dataset=tiny_dataset(4, seed=1),
+        cost_aware=cost_aware,
+        per_device_train_batch_size=4,
+        per_device_eval_batch_size=4,
+        max_completion_length=6,
+        max_steps=6,
+        logging_steps=5,
+        eval_strategy="steps",
+        eval_steps=2,
+        save_strategy="steps",
+        save_steps=6,
+        max_grad_norm=1e-8,
+    )
+    trainer.train()
+    rows = trainer.state.log_history
+    assert any("eval_loss" in row for row in rows) and any("loss" in row for row in rows)
+    for row in rows:
+        for key, value in row.items():
+            assert value is None or isinstance(value, (numbers.Number, str)), (key, type(value))
+    with open(os.path.join(trainer.args.output_dir, "checkpoint-6", "trainer_state.json")) as f:
+        assert json.load(f)["global_step"] == 6
 
 
 # ---------------------------------------------------------------------------------------------------- packed metrics
@@ -118,7 +153,7 @@ def test_packed_layouts_metrics_are_means_over_the_steps_tokens(tmp_path, tiny_m
         optim="sgd",  # linear in the gradient: float-order noise in the gradient stays noise in the weights (Adam's
         # first step is sign-like and turns it into lr-sized moves on a few weights)
     )
-    train = arithmetic_dataset(32, seed=0)
+    train = tiny_dataset(32)
     base = RecordingGRPOTrainer(
         tiny_model_path, [length_reward], args=_args(tmp_path / "a", GRPOConfig, **common), train_dataset=train
     )
@@ -126,13 +161,11 @@ def test_packed_layouts_metrics_are_means_over_the_steps_tokens(tmp_path, tiny_m
     ours = CostAwareGRPOTrainer(
         tiny_model_path,
         [length_reward],
-        args=_args(
-            tmp_path / "b", CostAwareGRPOConfig, cost_aware_kept_fraction=1.0, cost_aware_layout="packed", **common
-        ),
+        args=_args(tmp_path / "b", CostAwareGRPOConfig, cost_aware_kept_fraction=1.0, **common),
         train_dataset=train,
     )
+    assert ours._layout == "packed"  # the trainer's own choice
     ours.train()
-    assert ours._layout == "packed"
     rows = [row for row in ours.state.log_history if "entropy" in row]
     assert len(rows) == common["max_steps"]
     tokens = [t for _, t, _ in base.records]
@@ -150,8 +183,10 @@ def test_packed_layouts_metrics_are_means_over_the_steps_tokens(tmp_path, tiny_m
     assert any(v > 0 for v in clipped), "no clipping: the test would not check the clip ratios"
 
 
-class _Window(PackedLayout):
-    """The attributes `_token_weighted_metrics` reads, on one process."""
+class _Window:
+    """The attributes `CostAwareGRPOTrainer._token_weighted_metrics` reads, on one process."""
+
+    _token_weighted_metrics = CostAwareGRPOTrainer._token_weighted_metrics
 
     def __init__(self, level, weights, metrics):
         self.args = SimpleNamespace(importance_sampling_level=level)

@@ -1,119 +1,46 @@
-"""Real runs of CostAwareGRPOTrainer on the embedded tiny model (CPU, single process)."""
+"""Real runs of CostAwareGRPOTrainer on the embedded tiny model (CPU, single process): forward accounting,
+equivalence with GRPOTrainer, features, degenerate batches, TRL's options, the deferred passes and their drift guards,
+resume of the sampler, and the trainer's shape (one class over GRPOTrainer)."""
 
 from __future__ import annotations
 
-import copy
+import inspect
 import math
+import os
+import unittest.mock
 
 import pytest
 import torch
+from testing_utils import (
+    constant_reward,
+    fixed_batch,
+    last_metric,
+    length_reward,
+    make_config,
+    make_trainer,
+    record_draws,
+    weights_of,
+)
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 
-from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
-from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
+from trl_costaware.rows.deferred import TRL_SCORING_CODE, deferred_passes, placeholder_passes
+from trl_costaware.rows.plan import Plan
+from trl_costaware.trainer import STATE_FILE
 
 
-@pytest.fixture(scope="module")
-def model_path():
-    return build_tiny_model_path()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return arithmetic_dataset(64, seed=0)
-
-
-def length_reward(completions, **kwargs):
-    """Reward with within-group variance for an untrained model: completion length mod 4."""
-    return [float(len(c) % 4) for c in completions]
-
-
-def constant_reward(completions, **kwargs):
-    return [1.0 for _ in completions]
-
-
-def make_args(tmp_path, cls=CostAwareGRPOConfig, **overrides):
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=4,
-        max_completion_length=12,
-        max_steps=2,
-        logging_steps=1,
-        save_strategy="no",
-        bf16=False,
-        seed=0,
-        learning_rate=1e-3,
-    )
-    kwargs.update(overrides)
-    return cls(**kwargs)
-
-
-def weights_of(model):
-    return torch.cat([p.detach().flatten().float().clone() for p in model.parameters()])
-
-
-def last_metric(trainer, key):
-    values = [row[key] for row in trainer.state.log_history if key in row]
-    assert values, f"{key} never logged"
-    return values[-1]
-
-
-# ---------------------------------------------------------------- unbiasedness
-LOSS_SETTINGS = {
-    "grpo": {},
-    "bnpo": {},
-    "dr_grpo": {},
-    "dapo": {},
-    "cispo": {},
-    "sapo": {},
-    "luspo": {"importance_sampling_level": "sequence"},
-    "vespo": {},
-}
-
-
-def fixed_batch(batch):
-    """A stand-in for GRPOTrainer._generate_and_score_completions returning one fixed batch (cloned each call)."""
-
-    def generate_and_score(trainer, inputs):
-        return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) for k, v in batch.items()}
-
-    return generate_and_score
-
-
-def _grad(trainer, batch):
-    trainer.model.zero_grad()
-    loss = trainer._compute_loss(trainer.model, batch)
-    loss.backward()
-    return torch.cat([p.grad.flatten().clone() for p in trainer.model.parameters() if p.grad is not None])
-
-
-def _mc_gradients(trainer, raw_inputs, draws):
-    grads = []
-    for _ in range(draws):
-        trainer._buffered_inputs = None
-        trainer._step = 0
-        micro = trainer._prepare_inputs(raw_inputs)
-        grads.append(_grad(trainer, micro))
-    return torch.stack(grads).double()
-
-
-def _z_score(grads, target):
-    """‖mean − target‖² / (tr Cov / K): about 1 for an unbiased estimator, growing like K·bias² otherwise."""
-    k = len(grads)
-    err = (grads.mean(0) - target).pow(2).sum()
-    var = grads.var(0).sum() / k
-    return float(err / var)
+# ---------------------------------------------------------------- the class
+def test_one_class_over_grpo_trainer():
+    """`CostAwareGRPOTrainer(GRPOTrainer)`: no mixin between the two."""
+    assert CostAwareGRPOTrainer.__mro__[1] is GRPOTrainer
 
 
 # ---------------------------------------------------------------- forward accounting
-def test_dropped_rows_never_reach_a_forward(tmp_path, model_path, dataset):
+def test_dropped_rows_never_reach_a_forward(tmp_path, tiny_model_path, dataset):
     """After generation, forward passes (old-policy, reference, policy) see only kept rows, trimmed to width."""
-    args = make_args(
+    args = make_config(
         tmp_path,
         per_device_train_batch_size=8,
         steps_per_generation=4,
@@ -122,7 +49,7 @@ def test_dropped_rows_never_reach_a_forward(tmp_path, model_path, dataset):
         max_steps=2,
         cost_aware_kept_fraction=0.5,
     )
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     seen = []
 
     def hook(module, args_, kwargs):
@@ -151,8 +78,8 @@ def test_dropped_rows_never_reach_a_forward(tmp_path, model_path, dataset):
     assert last_metric(trainer, "cost_aware/rows_kept") == m
 
 
-def test_micro_batches_trimmed_and_grouped_by_length(tmp_path, model_path, dataset):
-    args = make_args(
+def test_micro_batches_trimmed_and_grouped_by_length(tmp_path, tiny_model_path, dataset):
+    args = make_config(
         tmp_path,
         per_device_train_batch_size=8,
         steps_per_generation=4,
@@ -160,7 +87,7 @@ def test_micro_batches_trimmed_and_grouped_by_length(tmp_path, model_path, datas
         max_steps=1,
         cost_aware_kept_fraction=1.0,
     )
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     widths = []
     trainer.model.register_forward_pre_hook(
         lambda mod, a, kw: widths.append(kw["attention_mask"].sum(-1).tolist()) if "labels" in kw else None,
@@ -180,14 +107,20 @@ def test_micro_batches_trimmed_and_grouped_by_length(tmp_path, model_path, datas
 
 
 # ---------------------------------------------------------------- equivalence
-def test_switched_off_equals_grpo_trainer(tmp_path, model_path, dataset):
+def test_switched_off_equals_grpo_trainer(tmp_path, tiny_model_path, dataset):
     common = dict(max_steps=3, beta=0.02)
     base = GRPOTrainer(
-        model_path, [length_reward], args=make_args(tmp_path / "a", cls=GRPOConfig, **common), train_dataset=dataset
+        tiny_model_path,
+        [length_reward],
+        args=make_config(tmp_path / "a", cls=GRPOConfig, **common),
+        train_dataset=dataset,
     )
     base.train()
     off = CostAwareGRPOTrainer(
-        model_path, [length_reward], args=make_args(tmp_path / "b", cost_aware=False, **common), train_dataset=dataset
+        tiny_model_path,
+        [length_reward],
+        args=make_config(tmp_path / "b", cost_aware=False, **common),
+        train_dataset=dataset,
     )
     off.train()
     base_losses = [r["loss"] for r in base.state.log_history if "loss" in r]
@@ -197,19 +130,22 @@ def test_switched_off_equals_grpo_trainer(tmp_path, model_path, dataset):
     assert last_metric(off, "cost_aware/policy_tokens") > 0  # the baseline arm still logs its token counters
 
 
-def test_kept_fraction_one_matches_grpo_trainer_weights(tmp_path, model_path, dataset):
+def test_kept_fraction_one_matches_grpo_trainer_weights(tmp_path, tiny_model_path, dataset):
     """Keeping every row (weights 1) trains like GRPOTrainer, with a KL term and two iterations over each generation
     batch: the same final weights (rows are reordered inside the one micro-batch, so float sums differ slightly)."""
     common = dict(max_steps=2, beta=0.1, num_iterations=2, learning_rate=1e-2)
     base = GRPOTrainer(
-        model_path, [length_reward], args=make_args(tmp_path / "a", cls=GRPOConfig, **common), train_dataset=dataset
+        tiny_model_path,
+        [length_reward],
+        args=make_config(tmp_path / "a", cls=GRPOConfig, **common),
+        train_dataset=dataset,
     )
     start = weights_of(base.model)
     base.train()
     full = CostAwareGRPOTrainer(
-        model_path,
+        tiny_model_path,
         [length_reward],
-        args=make_args(tmp_path / "b", cost_aware_kept_fraction=1.0, **common),
+        args=make_config(tmp_path / "b", cost_aware_kept_fraction=1.0, **common),
         train_dataset=dataset,
     )
     full.train()
@@ -227,18 +163,20 @@ def test_kept_fraction_one_matches_grpo_trainer_weights(tmp_path, model_path, da
     [
         dict(num_iterations=2),
         dict(steps_per_generation=4, gradient_accumulation_steps=2),
-        dict(cost_aware_draw="multinomial"),
         dict(cost_aware_weight_normalization="recenter"),
-        dict(cost_aware_weight_normalization="self_normalize", cost_aware_weight_cap=2.0),
         dict(cost_aware_token_budget=60),
-        dict(cost_aware_cost="completion", cost_aware_proxy="inverse_sqrt_cost"),
+        dict(cost_aware_cost="completion", cost_aware_proxy="loss_aware"),
+        dict(cost_aware_proxy="uniform"),
         dict(loss_type="dapo", beta=0.05),
     ],
     ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()),
 )
-def test_feature_runs(tmp_path, model_path, dataset, overrides):
+def test_feature_runs(tmp_path, tiny_model_path, dataset, overrides):
     trainer = CostAwareGRPOTrainer(
-        model_path, [length_reward, arithmetic_reward], args=make_args(tmp_path, **overrides), train_dataset=dataset
+        tiny_model_path,
+        [length_reward, arithmetic_reward],
+        args=make_config(tmp_path, **overrides),
+        train_dataset=dataset,
     )
     before = weights_of(trainer.model)
     trainer.train()
@@ -252,42 +190,42 @@ def test_feature_runs(tmp_path, model_path, dataset, overrides):
     assert last_metric(trainer, "cost_aware/rollout_tokens") > last_metric(trainer, "cost_aware/generated_tokens")
 
 
-def test_lora(tmp_path, model_path, dataset):
+def test_lora(tmp_path, tiny_model_path, dataset):
     from peft import LoraConfig
 
-    args = make_args(tmp_path, beta=0.05)
+    args = make_config(tmp_path, beta=0.05)
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
     trainer = CostAwareGRPOTrainer(
-        model_path, [length_reward], args=args, train_dataset=dataset, peft_config=peft_config
+        tiny_model_path, [length_reward], args=args, train_dataset=dataset, peft_config=peft_config
     )
     lora = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     trainer.train()
     changed = [n for n, p in trainer.model.named_parameters() if "lora_B" in n and not torch.equal(p, lora[n])]
     assert changed
-    assert 0.0 < last_metric(trainer, "cost_aware/kept_row_fraction") < 1.0  # the default "auto" dropped rows
+    assert last_metric(trainer, "cost_aware/kept_row_fraction") == 0.5  # the default fraction dropped rows
 
 
-def test_conversational_prompts(tmp_path, model_path):
+def test_conversational_prompts(tmp_path, tiny_model_path):
     ds = arithmetic_dataset(32, seed=1, conversational=True)
     trainer = CostAwareGRPOTrainer(
-        model_path, [arithmetic_reward, length_reward], args=make_args(tmp_path), train_dataset=ds
+        tiny_model_path, [arithmetic_reward, length_reward], args=make_config(tmp_path), train_dataset=ds
     )
-    seen = _record_draws(trainer)
+    seen = record_draws(trainer)
     trainer.train()
     for batch, indices, _ in seen:  # 0.5 of 8 rows, at most the informative ones
         assert len(indices) == min(4, max(1, int((batch["advantages"] != 0).sum())))
 
 
-def test_resume_draws_the_same_rows(tmp_path, model_path, dataset):
+def test_resume_draws_the_same_rows(tmp_path, tiny_model_path, dataset):
     common = dict(
         max_steps=4, save_strategy="steps", save_steps=2, steps_per_generation=2, gradient_accumulation_steps=1
     )
     straight = CostAwareGRPOTrainer(
-        model_path, [length_reward], args=make_args(tmp_path / "a", **common), train_dataset=dataset
+        tiny_model_path, [length_reward], args=make_config(tmp_path / "a", **common), train_dataset=dataset
     )
     straight.train()
     resumed = CostAwareGRPOTrainer(
-        model_path, [length_reward], args=make_args(tmp_path / "a", **common), train_dataset=dataset
+        tiny_model_path, [length_reward], args=make_config(tmp_path / "a", **common), train_dataset=dataset
     )
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
     torch.testing.assert_close(weights_of(straight.model), weights_of(resumed.model))
@@ -295,9 +233,9 @@ def test_resume_draws_the_same_rows(tmp_path, model_path, dataset):
 
 
 # ---------------------------------------------------------------- degenerate batches
-def test_all_rewards_equal(tmp_path, model_path, dataset):
+def test_all_rewards_equal(tmp_path, tiny_model_path, dataset):
     trainer = CostAwareGRPOTrainer(
-        model_path, [constant_reward], args=make_args(tmp_path, beta=0.0), train_dataset=dataset
+        tiny_model_path, [constant_reward], args=make_config(tmp_path, beta=0.0), train_dataset=dataset
     )
     before = weights_of(trainer.model)
     trainer.train()
@@ -309,85 +247,48 @@ def test_all_rewards_equal(tmp_path, model_path, dataset):
 
 
 @pytest.mark.parametrize("mask_truncated", [False, True])
-def test_one_token_and_truncated_completions(tmp_path, model_path, dataset, mask_truncated):
-    args = make_args(tmp_path, max_completion_length=1, mask_truncated_completions=mask_truncated)
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+def test_one_token_and_truncated_completions(tmp_path, tiny_model_path, dataset, mask_truncated):
+    args = make_config(tmp_path, max_completion_length=1, mask_truncated_completions=mask_truncated)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.train()
     assert math.isfinite(last_metric(trainer, "loss"))
     # Every generated token is counted, whether or not a truncation mask hides it from the loss.
     assert last_metric(trainer, "cost_aware/rollout_tokens") == trainer.state.num_input_tokens_seen
 
 
-# ---------------------------------------------------------------- config errors
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        ("cost_aware_kept_fraction", 0.0),
-        ("cost_aware_kept_fraction", 1.5),
-        ("cost_aware_token_budget", 0),
-        ("cost_aware_proxy", "gradient"),
-        ("cost_aware_cost", "flops"),
-        ("cost_aware_cost", "no_such_module_xyz:fn"),
-        ("cost_aware_smoothing", -0.1),
-        ("cost_aware_smoothing", 1.1),
-        ("cost_aware_draw", "poisson"),
-        ("cost_aware_weight_normalization", "softmax"),
-        ("cost_aware_weight_cap", 0.0),
-        ("cost_aware_weight_cap", -1.0),
-        ("cost_aware_layout", "sorted"),
-    ],
-)
-def test_config_errors_name_the_field(tmp_path, field, value):
-    with pytest.raises(ValueError, match=field):
-        make_args(tmp_path, **{field: value})
-
-
-def test_plain_grpo_config_is_rejected(tmp_path, model_path, dataset):
+# ---------------------------------------------------------------- config
+def test_plain_grpo_config_is_rejected(tmp_path, tiny_model_path, dataset):
     with pytest.raises(TypeError, match="CostAwareGRPOConfig"):
         CostAwareGRPOTrainer(
-            model_path, [length_reward], args=make_args(tmp_path, cls=GRPOConfig), train_dataset=dataset
+            tiny_model_path, [length_reward], args=make_config(tmp_path, cls=GRPOConfig), train_dataset=dataset
         )
 
 
-def test_cost_callable_and_import_path(tmp_path, model_path, dataset):
+def test_cost_callable_and_import_path(tmp_path, tiny_model_path, dataset):
     calls = []
 
     def flops(prompt_mask, completion_mask):
         calls.append(len(prompt_mask))
         return (prompt_mask.sum(-1) + 2 * completion_mask.sum(-1)).float()
 
-    args = make_args(tmp_path, cost_aware_cost="trl_costaware.rows.sampling:sequence_costs")
+    args = make_config(tmp_path, cost_aware_cost="trl_costaware.rows.sampling:sequence_costs")
     args.cost_aware_cost = flops  # a callable works from Python
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.train()
     assert calls
 
 
-def test_model_loads_by_path_like_a_hub_id(model_path):
-    model = AutoModelForCausalLM.from_pretrained(model_path)
+def test_model_loads_by_path_like_a_hub_id(tiny_model_path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
 # ---------------------------------------------------------------- TRL's options
-def _record_draws(trainer):
-    """Wrap `_draw_kept_rows`: keep each generation batch (as the sampler saw it) and the drawn indices."""
-    seen = []
-    original = trainer._draw_kept_rows
-
-    def recorded(batch):
-        indices, factors = original(batch)
-        seen.append(({k: v for k, v in batch.items()}, indices.clone(), factors.clone()))
-        return indices, factors
-
-    trainer._draw_kept_rows = recorded
-    return seen
-
-
 @pytest.mark.parametrize("cost_aware", [True, False])
-def test_truncation_mask_rows_never_drawn_and_tokens_counted(tmp_path, model_path, dataset, cost_aware):
+def test_truncation_mask_rows_never_drawn_and_tokens_counted(tmp_path, tiny_model_path, dataset, cost_aware):
     """mask_truncated_completions=True: rows whose loss mask is empty are never drawn while other rows can carry
     gradient, and the counters still count every generated token (TRL's own count is the reference)."""
-    args = make_args(
+    args = make_config(
         tmp_path,
         max_completion_length=6,
         mask_truncated_completions=True,
@@ -395,8 +296,8 @@ def test_truncation_mask_rows_never_drawn_and_tokens_counted(tmp_path, model_pat
         cost_aware=cost_aware,
         cost_aware_kept_fraction=0.5,
     )
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
-    seen = _record_draws(trainer)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    seen = record_draws(trainer)
     trainer.train()
     assert last_metric(trainer, "cost_aware/rollout_tokens") == trainer.state.num_input_tokens_seen
     if not cost_aware:
@@ -409,13 +310,13 @@ def test_truncation_mask_rows_never_drawn_and_tokens_counted(tmp_path, model_pat
     assert truncated > 0  # the setting did truncate rows
 
 
-def test_no_slot_for_zero_signal_rows(tmp_path, model_path, dataset):
+def test_no_slot_for_zero_signal_rows(tmp_path, tiny_model_path, dataset):
     """β = 0, no entropy term: rows with A = 0 carry nothing, so they get no probability (smoothing included) and m
     never exceeds the informative rows (rounded down to a multiple of steps_per_generation). With β > 0 they carry the
     KL gradient and are drawn."""
-    args = make_args(tmp_path, max_steps=4, cost_aware_kept_fraction=1.0, cost_aware_smoothing=0.5)
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
-    seen = _record_draws(trainer)
+    args = make_config(tmp_path, max_steps=4, cost_aware_kept_fraction=1.0, cost_aware_smoothing=0.5)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    seen = record_draws(trainer)
     trainer.train()
     some_zero = False
     for batch, indices, _ in seen:
@@ -425,33 +326,29 @@ def test_no_slot_for_zero_signal_rows(tmp_path, model_path, dataset):
         assert len(indices) == max(1, int(informative.sum()))
     assert some_zero  # the check had zero-advantage rows to avoid
 
-    args = make_args(tmp_path / "kl", max_steps=2, beta=0.1, cost_aware_kept_fraction=1.0)
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
-    seen = _record_draws(trainer)
+    args = make_config(tmp_path / "kl", max_steps=2, beta=0.1, cost_aware_kept_fraction=1.0)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
+    seen = record_draws(trainer)
     trainer.train()
     assert all(len(indices) == len(batch["advantages"]) for batch, indices, _ in seen)
 
 
 @pytest.mark.parametrize("layout", ["even", "packed"])
 @pytest.mark.parametrize("rule", ["fraction", "token_budget"])
-def test_kept_rows_follow_the_configured_rule(tmp_path, model_path, dataset, rule, layout):
+def test_kept_rows_follow_the_configured_rule(tmp_path, tiny_model_path, dataset, rule, layout):
     """m from the fraction (rounded down to steps_per_generation under the even layout, to 1 under the packed one) or
     from the token budget (budget / E_p[c]), then capped by the informative rows; β > 0 so every row is eligible and
     the cap does not bind."""
     from trl_costaware.rows.sampling import sampling_distribution, sampling_scores, sequence_costs
 
-    overrides = dict(
-        steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05, cost_aware_layout=layout
-    )
+    overrides = dict(steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05)
     multiple = 2 if layout == "even" else 1
     if rule == "fraction":
         overrides["cost_aware_kept_fraction"] = 0.7  # 0.7 · 16 = 11.2 → 11 (packed) → 10 (even: multiple of 2)
     else:
         overrides["cost_aware_token_budget"] = 90  # a few rows of ~20 tokens: far from the default fraction's 8
-    trainer = CostAwareGRPOTrainer(
-        model_path, [length_reward], args=make_args(tmp_path, **overrides), train_dataset=dataset
-    )
-    seen = _record_draws(trainer)
+    trainer = make_trainer(tiny_model_path, tmp_path, dataset=dataset, layout=layout, **overrides)
+    seen = record_draws(trainer)
     trainer.train()
     assert seen
     for batch, indices, _ in seen:
@@ -468,20 +365,21 @@ def test_kept_rows_follow_the_configured_rule(tmp_path, model_path, dataset, rul
 
 
 @pytest.mark.parametrize(("bf16", "layout"), [(False, "even"), (True, "even"), (False, "packed")])
-def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, model_path, dataset, bf16, layout):
+def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, tiny_model_path, dataset, bf16, layout):
     """num_iterations=1, steps_per_generation = 2 × gradient_accumulation_steps: TRL needs old-policy log-probs, and
     before the first update they must equal the policy pass's exactly (ratio 1, as in TRL), in bf16 too, and on the
     packed layout's micro-batches (its no-op micro-steps carry none: they train on nothing)."""
-    args = make_args(
+    trainer = make_trainer(
+        tiny_model_path,
         tmp_path,
+        dataset=dataset,
+        layout=layout,
         steps_per_generation=4,
         gradient_accumulation_steps=2,
         max_steps=1,
         bf16=bf16,
         beta=0.05,
-        cost_aware_layout=layout,
     )
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
     pairs = []
     original_loss = trainer._compute_loss
     original_logps = trainer._get_per_token_logps_and_entropies
@@ -511,18 +409,16 @@ def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, mod
         assert pairs[0]["new"].dtype == torch.float32  # log-probs are float32 from a bf16 autocast forward
 
 
-def test_deferred_logps_match_trls_by_value(tmp_path, model_path, dataset):
+def test_deferred_logps_match_trls_by_value(tmp_path, tiny_model_path, dataset):
     """The deferred old-policy log-probs of each kept row equal what TRL computes for that row on the full batch."""
-    args = make_args(
+    args = make_config(
         tmp_path, steps_per_generation=2, gradient_accumulation_steps=1, max_steps=1, cost_aware_kept_fraction=0.5
     )
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.model.train()
     raw = [dataset[i] for i in range(16)]
     full = GRPOTrainer._generate_and_score_completions(trainer, raw)
     assert "old_per_token_logps" in full  # TRL computed them for every row
-    import unittest.mock
-
     with unittest.mock.patch.object(GRPOTrainer, "_generate_and_score_completions", fixed_batch(full)):
         trainer._prepare_inputs(raw)
     key = lambda ids, mask: tuple(ids[mask.bool()].tolist())  # noqa: E731
@@ -552,29 +448,9 @@ def test_deferred_logps_match_trls_by_value(tmp_path, model_path, dataset):
     assert checked == 8
 
 
-def test_group_by_length_changes_padding_only(tmp_path, model_path, dataset):
-    """Grouping by length must not consume the sampler's randomness: the same rows are drawn with and without it."""
-    draws = {}
-    for grouped in (False, True):
-        args = make_args(
-            tmp_path / str(grouped),
-            steps_per_generation=4,
-            gradient_accumulation_steps=4,
-            max_steps=3,
-            learning_rate=0.0,  # the same model every step, so generation is the same in both runs
-            cost_aware_layout="even_by_length" if grouped else "even",
-        )
-        trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
-        seen = _record_draws(trainer)
-        trainer.train()
-        draws[grouped] = [idx.tolist() for _, idx, _ in seen]
-    assert len(draws[True]) == 3
-    assert draws[True] == draws[False]
-
-
-def test_pad_to_multiple_of_is_kept(tmp_path, model_path, dataset):
-    args = make_args(tmp_path, pad_to_multiple_of=8, steps_per_generation=2, gradient_accumulation_steps=2)
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+def test_pad_to_multiple_of_is_kept(tmp_path, tiny_model_path, dataset):
+    args = make_config(tmp_path, pad_to_multiple_of=8, steps_per_generation=2, gradient_accumulation_steps=2)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     widths = []
     trainer.model.register_forward_pre_hook(
         lambda mod, a, kw: widths.append(kw["input_ids"].shape[1]) if "labels" in kw else None, with_kwargs=True
@@ -583,11 +459,11 @@ def test_pad_to_multiple_of_is_kept(tmp_path, model_path, dataset):
     assert widths and all(w % 8 == 0 for w in widths), widths
 
 
-def test_missing_chunk_fails_loudly(tmp_path, model_path, dataset):
+def test_missing_chunk_fails_loudly(tmp_path, tiny_model_path, dataset):
     """TRL's micro-batch is matched to its processed one by TRL's own index (_step % steps_per_generation), checked:
     a TRL that indexed its buffer otherwise fails loudly instead of training on an unweighted micro-batch."""
-    args = make_args(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    args = make_config(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.model.train()
     raw = [dataset[i] for i in range(8)]
     original = GRPOTrainer._prepare_inputs
@@ -596,17 +472,15 @@ def test_missing_chunk_fails_loudly(tmp_path, model_path, dataset):
         original(self, batch)
         return self._buffered_inputs[1 - self._step % 2]
 
-    import unittest.mock
-
     with unittest.mock.patch.object(GRPOTrainer, "_prepare_inputs", other_index):
         with pytest.raises(RuntimeError, match="_step % steps_per_generation"):
             trainer._prepare_inputs(raw)
 
 
-def test_processed_micro_batches_replace_trls_buffer(tmp_path, model_path, dataset):
+def test_processed_micro_batches_replace_trls_buffer(tmp_path, tiny_model_path, dataset):
     """No id() matching: after the first micro-step TRL indexes the processed list itself."""
-    args = make_args(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+    args = make_config(tmp_path, per_device_train_batch_size=4, steps_per_generation=2, gradient_accumulation_steps=2)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     trainer.model.train()
     raw = [dataset[i] for i in range(8)]
     first = trainer._prepare_inputs(raw)
@@ -616,31 +490,16 @@ def test_processed_micro_batches_replace_trls_buffer(tmp_path, model_path, datas
     assert "cost_aware_rows" not in first  # the host bookkeeping never reaches the loss
 
 
-@pytest.mark.parametrize("cost_aware", [True, False])
-def test_clipped_step_fraction_is_logged(tmp_path, model_path, dataset, cost_aware):
-    for max_norm, expected in ((1e-8, 1.0), (1e8, 0.0)):
-        args = make_args(tmp_path / str(max_norm), max_grad_norm=max_norm, cost_aware=cost_aware)
-        trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
-        trainer.train()
-        assert last_metric(trainer, "cost_aware/grad_clipped") == expected
-
-
-def test_top_entropy_quantile_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="top_entropy_quantile"):
-        make_args(tmp_path, top_entropy_quantile=0.2)
-    make_args(tmp_path, top_entropy_quantile=0.2, cost_aware=False)  # plain GRPO keeps TRL's option
-
-
-def test_unknown_loss_type_is_refused_at_construction(tmp_path, model_path, dataset, monkeypatch):
+def test_unknown_loss_type_is_refused_at_construction(tmp_path, tiny_model_path, dataset, monkeypatch):
     """A loss type without a derived normaliser (e.g. one a later TRL adds) is refused before the model loads, naming
     the field and the allowed values; it used to get the row-mean factor silently (off by N/m for a token sum)."""
-    args = make_args(tmp_path)
+    args = make_config(tmp_path)
     monkeypatch.setattr(args, "loss_type", "token_sum_v2")  # as a newer TRL's config would accept
     with pytest.raises(ValueError, match="loss_type='token_sum_v2'.*'grpo'"):
-        CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset)
+        CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
     args.cost_aware = False  # plain GRPO is TRL's business
     with pytest.raises(ValueError, match="Unknown loss type|token_sum_v2"):
-        CostAwareGRPOTrainer(model_path, [length_reward], args=args, train_dataset=dataset).train()
+        CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset).train()
 
 
 def test_multimodal_processor_is_refused_before_the_model_loads(tmp_path, dataset, monkeypatch):
@@ -659,7 +518,7 @@ def test_multimodal_processor_is_refused_before_the_model_loads(tmp_path, datase
 
     monkeypatch.setattr(grpo_trainer, "create_model_from_path", load_weights)
     monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", lambda *a, **k: object.__new__(VisionProcessor))
-    args = make_args(tmp_path)
+    args = make_config(tmp_path)
     with pytest.raises(NotImplementedError, match="multimodal processor"):
         CostAwareGRPOTrainer("some/vlm", [length_reward], args=args, train_dataset=dataset)
     with pytest.raises(NotImplementedError, match="multimodal processor"):
@@ -675,8 +534,162 @@ def test_multimodal_processor_is_refused_before_the_model_loads(tmp_path, datase
         CostAwareGRPOTrainer("some/vlm", [length_reward], args=args, train_dataset=dataset)
 
 
-def test_text_processor_loaded_as_trl_loads_it(tmp_path, model_path, dataset):
+def test_text_processor_loaded_as_trl_loads_it(tmp_path, tiny_model_path, dataset):
     """For a model path the trainer loads the processor before the model, as TRL does (left padding and truncation)."""
-    trainer = CostAwareGRPOTrainer(model_path, [length_reward], args=make_args(tmp_path), train_dataset=dataset)
+    trainer = CostAwareGRPOTrainer(tiny_model_path, [length_reward], args=make_config(tmp_path), train_dataset=dataset)
     assert trainer.processing_class.padding_side == "left"
     assert trainer.processing_class.truncation_side == "left"
+
+
+# ---------------------------------------------------------------- resume: the sampler's state
+@pytest.mark.slow
+def test_resume_with_ignore_data_skip_restores_the_sampler(tmp_path, tiny_model_path, dataset):
+    """`ignore_data_skip=True` restarts the data, not the sampler: its generators and counters come back from the
+    checkpoint: `_load_cost_aware_state`, called from `_load_optimizer_and_scheduler`, restores them on every resume
+    (they were once restored in `_load_rng_state` only, which HF's Trainer may skip)."""
+    common = dict(max_completion_length=8, max_steps=4, save_strategy="steps", save_steps=2, steps_per_generation=2)
+    first = make_trainer(tiny_model_path, tmp_path, dataset=dataset, **common)
+    first.train()
+    checkpoint = os.path.join(first.args.output_dir, "checkpoint-2")
+    saved = torch.load(os.path.join(checkpoint, STATE_FILE.format(rank=0)), weights_only=True)
+
+    resumed = make_trainer(tiny_model_path, tmp_path, dataset=dataset, ignore_data_skip=True, **common)
+    states = []
+    original = resumed._draw_kept_rows
+
+    def draw(batch):
+        states.append((resumed._sampler_generator.get_state(), dict(resumed._cost_aware_totals)))
+        return original(batch)
+
+    resumed._draw_kept_rows = draw
+    resumed.train(resume_from_checkpoint=checkpoint)
+    generator, totals = states[0]  # at the first draw after the resume
+    assert torch.equal(generator, saved["generator"])
+    assert totals == saved["totals"] and totals["rows_generated"] > 0
+    final = [r for r in resumed.state.log_history if "cost_aware/rows_generated" in r][-1]
+    assert final["cost_aware/rows_generated"] == 2 * saved["totals"]["rows_generated"]
+
+
+# ---------------------------------------------------------------- the deferred passes' placeholder and drift guards
+@pytest.mark.slow
+def test_user_code_during_scoring_gets_real_log_probs(tmp_path, tiny_model_path, dataset):
+    """A reward function that calls `_get_per_token_logps_and_entropies` while TRL scores the batch gets the real
+    log-probabilities; TRL's own passes still get the placeholder (they are deferred to the kept rows)."""
+    holder = {}
+    seen = []
+
+    def reward_calling_the_model(completions, **kwargs):
+        trainer = holder["trainer"]
+        ids = torch.tensor([[5, 6, 7, 8, 9]])
+        with torch.no_grad():
+            logps = trainer._get_per_token_logps_and_entropies(trainer.model, ids, torch.ones_like(ids), 3)[0]
+        seen.append(logps)
+        return length_reward(completions)
+
+    trainer = make_trainer(
+        tiny_model_path,
+        tmp_path,
+        rewards=[reward_calling_the_model],
+        dataset=dataset,
+        max_completion_length=8,
+        max_steps=1,
+        beta=0.04,
+        steps_per_generation=2,
+        gradient_accumulation_steps=1,
+    )
+    holder["trainer"] = trainer
+    trainer.train()
+    assert seen and all(torch.isfinite(x).all() for x in seen)
+    assert math.isfinite(last_metric(trainer, "loss"))
+
+
+def trl_body(host, ids):
+    """Stands for TRL's scoring function: the placeholder recognises its caller by code object."""
+    return host._get_per_token_logps_and_entropies(None, ids, ids, 3)[0]
+
+
+def test_placeholder_only_for_trls_scoring_calls():
+    """Inside `deferred.placeholder_passes`, a call made from TRL's scoring function gets the NaN placeholder; any
+    other call gets the method itself; afterwards the class method is back."""
+
+    class Host:
+        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
+            return torch.zeros(input_ids.size(0), logits_to_keep), None, None
+
+    host = Host()
+    ids = torch.ones(2, 5, dtype=torch.long)
+    assert TRL_SCORING_CODE is inspect.unwrap(GRPOTrainer._generate_and_score_completions).__code__
+    with placeholder_passes(host):
+        assert torch.equal(host._get_per_token_logps_and_entropies(None, ids, ids, 3)[0], torch.zeros(2, 3))
+        assert torch.equal(trl_body(host, ids), torch.zeros(2, 3))  # not TRL's code: real values
+        with unittest.mock.patch("trl_costaware.rows.deferred.TRL_SCORING_CODE", trl_body.__code__):
+            assert torch.isnan(trl_body(host, ids)).all()
+            assert torch.equal(host._get_per_token_logps_and_entropies(None, ids, ids, 3)[0], torch.zeros(2, 3))
+    assert "_get_per_token_logps_and_entropies" not in vars(host)
+    assert torch.equal(trl_body(host, ids), torch.zeros(2, 3))
+
+
+@pytest.mark.slow
+def test_deferred_pass_condition_is_trls(tmp_path, tiny_model_path, dataset):
+    """`deferred.deferred_passes` re-derives when TRL's scoring runs its old-policy and reference passes: for each
+    setting, the passes TRL itself runs (seen through `_get_per_token_logps_and_entropies`) are the ones it says."""
+    trainer = make_trainer(tiny_model_path, tmp_path, dataset=dataset, max_completion_length=8, beta=0.04)
+    trainer.model.train()
+    raw = [dataset[i] for i in range(8)]
+    calls = []
+
+    def record(model, *a, **kw):
+        calls.append("ref" if model is trainer.ref_model else "old")
+        ids = a[0]
+        return torch.zeros(ids.size(0), a[2]), None, None
+
+    trainer._get_per_token_logps_and_entropies = record
+    settings = [  # (gradient_accumulation_steps, steps_per_generation, num_iterations, beta)
+        (1, 1, 1, 0.04),
+        (1, 2, 1, 0.0),
+        (2, 1, 1, 0.0),
+        (2, 2, 2, 0.04),
+        (4, 2, 2, 0.0),
+    ]
+    for accumulation, spg, iterations, beta in settings:
+        trainer.args.gradient_accumulation_steps, trainer.args.steps_per_generation = accumulation, spg
+        trainer.num_iterations, trainer.beta = iterations, beta
+        calls.clear()
+        GRPOTrainer._generate_and_score_completions(trainer, raw)
+        expected = deferred_passes(accumulation, spg, iterations, False, beta)
+        assert ("old" in calls, "ref" in calls) == expected, (accumulation, spg, iterations, beta)
+
+
+# ---------------------------------------------------------------- a subclass's own row rule
+class OwnDrawTrainer(CostAwareGRPOTrainer):
+    """A subclass's own draw (every row, weight 1): no plan, so the trainer counts the kept tokens itself (the plan's
+    other counters are the subclass's to keep)."""
+
+    def _draw_kept_rows(self, batch):
+        n = len(batch["completion_ids"])
+        return Plan(torch.arange(n), torch.ones(n))
+
+
+@pytest.mark.parametrize("cls", [CostAwareGRPOTrainer, OwnDrawTrainer])
+def test_the_counters_gather_sends_the_same_keys_with_or_without_a_plan(tmp_path, tiny_model_path, dataset, cls):
+    """Per generation batch the layout's counters go through ONE gather; its keys must not depend on whether this
+    rank's draw came from the plan (a rank that sends an extra key would gather a tensor of another shape than its
+    peers). With the subclass's draw the trainer counts the kept tokens itself."""
+    trainer = make_trainer(tiny_model_path, tmp_path, cls=cls, dataset=dataset, max_completion_length=8, max_steps=1)
+    sent = []
+    gather = trainer._sum_over_ranks
+
+    def recording(values, device):
+        sent.append(sorted(values))
+        return gather(values, device)
+
+    trainer._sum_over_ranks = recording
+    trainer.train()
+    layout_gathers = [keys for keys in sent if "policy_tokens_padded" in keys]
+    assert layout_gathers == [["policy_tokens", "policy_tokens_padded"]]
+    totals = trainer._cost_aware_totals
+    assert 0 < totals["policy_tokens"] <= totals["policy_tokens_padded"]
+    if cls is OwnDrawTrainer:  # counted by the trainer; the plan's other counters are the subclass's to keep
+        assert totals["rows_kept"] == 0
+    else:
+        assert totals["policy_tokens"] < totals["rollout_tokens"]

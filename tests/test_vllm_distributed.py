@@ -13,9 +13,8 @@ import math
 import sys
 
 import pytest
-from test_collectives import _two_rank_log
+from test_collectives import _chunk, _trl_values, _two_rank_log
 from test_distributed import ROOT, free_port, run
-from test_trainer_review import _chunk, _trl_values
 
 from trl_costaware.rows.deferred import VLLM_METRICS
 

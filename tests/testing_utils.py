@@ -65,14 +65,16 @@ def make_trainer(
     *,
     rewards=(length_reward,),
     dataset=None,
+    eval_dataset=None,
     cls=None,
     args=None,
     layout: str | None = None,
     **overrides,
 ):
     """`cls` (default `CostAwareGRPOTrainer`) on `model` (a path or a model) with `make_config(tmp_path, **overrides)`
-    (or the given `args`), `rewards` and `dataset` (default `tiny_dataset()`). `layout="even"` forces the even
-    layout the trainer otherwise runs only with an entropy bonus or a router aux loss (`force_layout`)."""
+    (or the given `args`), `rewards`, `dataset` (default `tiny_dataset()`) and `eval_dataset`. `layout="even"` forces
+    the even layout, which the trainer otherwise runs only with an entropy bonus or a router aux loss
+    (`force_layout`)."""
     if cls is None:
         from trl_costaware import CostAwareGRPOTrainer as cls
     if args is None:
@@ -82,7 +84,8 @@ def make_trainer(
         args = make_config(tmp_path, cls=config_cls, **overrides)
     elif overrides:
         raise TypeError("pass either args or config overrides")
-    trainer = cls(model, list(rewards), args=args, train_dataset=tiny_dataset() if dataset is None else dataset)
+    train = tiny_dataset() if dataset is None else dataset
+    trainer = cls(model, list(rewards), args=args, train_dataset=train, eval_dataset=eval_dataset)
     if layout is not None:
         force_layout(trainer, layout)
     return trainer
@@ -135,3 +138,13 @@ def record_draws(trainer) -> list:
 
     trainer._draw_kept_rows = recorded
     return seen
+
+
+def fixed_batch(batch: dict):
+    """A stand-in for `GRPOTrainer._generate_and_score_completions` returning one fixed batch (cloned each call)."""
+    import copy
+
+    def generate_and_score(trainer, inputs):
+        return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) for k, v in batch.items()}
+
+    return generate_and_score
