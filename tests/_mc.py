@@ -1,5 +1,6 @@
-"""Monte Carlo harness of the weights matrix (tests/test_unbiased_matrix.py): exact per-row gradients through the
-trainer, then many draws of `plan.plan_batch` evaluated as linear combinations of them.
+"""Monte Carlo harness of tests/test_unbiased.py: the full-batch target gradient (`full_batch_grad`), and for the
+weights matrix exact per-row gradients through the trainer, then many draws of `plan.plan_batch` evaluated as linear
+combinations of them.
 
 Why it is exact. On one optimizer step of a frozen generation batch (β = 0, the first micro-step, so the policy equals
 the old policy), the trainer's gradient is linear in the kept slots' advantage factors, and a slot's contribution
@@ -15,9 +16,9 @@ runs real draws of the trainer (its own `plan_batch`, TRL's shuffle and micro-ba
 passes, TRL's loss) and compares each one's projection with the linear combination of its plan.
 
 Statistic (as in tests/test_unbiased.py): d = t − c + Σ_i a_i, with a_i row i's share of the full-batch GRPOTrainer
-gradient g (TRL's own loss on the whole batch, one micro-batch) and c = Σ_{drawn} a_i/π_i (Σ a_i/(m p_i) for a
-multinomial draw) the Horvitz–Thompson control variate of the draw's own design: E[c] = Σ a_i exactly, so E[d] = E[t]
-for any weights, and bias = E[d] − 1 = E[ĝ]·g/‖g‖² − 1.
+gradient g (TRL's own loss on the whole batch, one micro-batch) and c = Σ_{drawn} a_i/π_i the Horvitz–Thompson
+control variate of the draw's own design: E[c] = Σ a_i exactly, so E[d] = E[t] for any weights, and
+bias = E[d] − 1 = E[ĝ]·g/‖g‖² − 1.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ import zlib
 from dataclasses import dataclass, replace
 
 import torch
-from test_unbiased import _flat_grad, _full_batch_grad
+from testing_utils import make_config
 from trl import GRPOTrainer
 
-from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware import trainer as trainer_module
 from trl_costaware.rows import plan as plan_module
+from trl_costaware.rows.layout import kept_multiple
 from trl_costaware.rows.plan import PlanSettings, plan_batch
 
 ROWS = 32  # 8 groups of 4 generations
@@ -56,7 +58,25 @@ BATCHES = {
 }
 LOSSES = ("grpo", "dapo", "bnpo")
 MICROS = (1, 2)
-RULES = (0.25, "auto")
+RULES = (0.25, 0.5)  # kept fractions: m = 8 and 16 of 32 (capped at the drawable rows)
+
+
+def flat_grad(model) -> torch.Tensor:
+    return torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
+
+
+def full_batch_grad(trainer, batch) -> torch.Tensor:
+    """TRL's own loss on the whole generation batch as one micro-batch (no accumulation), differentiated."""
+    args = trainer.args
+    spg = args.steps_per_generation
+    args.steps_per_generation, trainer.current_gradient_accumulation_steps = 1, 1
+    try:
+        trainer.model.zero_grad()
+        GRPOTrainer._compute_loss(trainer, trainer.model, batch).backward()
+        return flat_grad(trainer.model)
+    finally:
+        args.steps_per_generation = spg
+        trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
 
 
 def group_reward(solved: frozenset):
@@ -74,10 +94,8 @@ def group_reward(solved: frozenset):
 
 
 def make_trainer(model_path, dataset, out_dir, *, loss_type, micro, solved, truncation_mask, max_len):
-    args = CostAwareGRPOConfig(
-        output_dir=str(out_dir),
-        use_cpu=True,
-        report_to="none",
+    args = make_config(
+        out_dir,
         per_device_train_batch_size=ROWS // micro,
         steps_per_generation=micro,
         gradient_accumulation_steps=micro,
@@ -85,9 +103,6 @@ def make_trainer(model_path, dataset, out_dir, *, loss_type, micro, solved, trun
         max_completion_length=max_len,
         mask_truncated_completions=truncation_mask,
         max_steps=1,
-        save_strategy="no",
-        bf16=False,
-        seed=0,
         loss_type=loss_type,
         cost_aware_kept_fraction=0.25,
         cost_aware_smoothing=0.2,
@@ -154,14 +169,14 @@ def freeze(trainer, raw, full, monkeypatch) -> Frozen:
 
     monkeypatch.setattr(GRPOTrainer, "_generate_and_score_completions", frozen)
     batch = frozen()
-    g = _full_batch_grad(trainer, batch)
+    g = full_batch_grad(trainer, batch)
     rows = trainer._host_row_stats(batch)
     support = (rows.advantages != 0) & (rows.loss_tokens > 0)
     shares = torch.zeros(len(rows), dtype=torch.float64)
     parts = []
     for i in torch.nonzero(support).flatten().tolist():
         one = dict(batch, advantages=batch["advantages"] * (torch.arange(len(rows)) == i))
-        h = _full_batch_grad(trainer, one)
+        h = full_batch_grad(trainer, one)
         parts.append(h)
         shares[i] = float(h @ g / (g @ g))
     torch.testing.assert_close(torch.stack(parts).sum(0), g, rtol=1e-4, atol=1e-7)
@@ -178,16 +193,16 @@ def pipeline_projection(fz: Frozen) -> float:
         inputs = trainer._prepare_inputs(fz.raw)
         trainer._compute_loss(trainer.model, inputs).backward()
         trainer._step += 1
-    return float(_flat_grad(trainer.model) @ fz.g / (fz.g @ fz.g))
+    return float(flat_grad(trainer.model) @ fz.g / (fz.g @ fz.g))
 
 
 def settings_for(fz: Frozen, kept, method) -> PlanSettings:
-    """The trainer's own PlanSettings, with the kept rule and the weights of the cell (floor 0 for "recenter", as the
-    plan sets it)."""
-    base = PlanSettings.from_args(fz.trainer.args, fz.trainer._zero_advantage_carries_gradient)
-    return replace(
-        base, kept_fraction=kept, weight_normalization=method, weight_floor=0.0 if method == "recenter" else None
-    )
+    """The trainer's own PlanSettings (its layout's unit included), with the kept fraction and the weights of the
+    cell."""
+    trainer, args = fz.trainer, fz.trainer.args
+    unit = kept_multiple(trainer._layout, args.steps_per_generation, args.gradient_accumulation_steps)
+    base = PlanSettings.from_args(args, trainer._zero_advantage_carries_gradient, unit)
+    return replace(base, kept_fraction=kept, weight_normalization=method)
 
 
 def _set_rule(trainer, kept, method):
@@ -204,13 +219,15 @@ def row_probes(fz: Frozen, kept, monkeypatch) -> tuple[torch.Tensor, int]:
     real = plan_module.plan_batch
     probe = {}
 
-    def forced(*args, **kwargs):
-        plan = real(*args, **kwargs)
+    def forced(rows, *args, **kwargs):
+        plan = real(rows, *args, **kwargs)
         probe["m"] = plan.m
         plan.indices = plan.indices.clone()
         plan.indices[0] = probe["row"]
         plan.factors = torch.zeros_like(plan.factors)
         plan.factors[0] = 1.0
+        # the kept rows' host statistics (the layout's lengths and widths) follow the replaced index
+        plan.kept_stats = {k: rows[k][plan.indices] for k in plan.kept_stats}
         return plan
 
     monkeypatch.setattr(trainer_module, "plan_batch", forced)
@@ -253,17 +270,16 @@ class Stat:
         return f"{self.bias:+.4f} ± {self.se:.4f}"
 
 
-def _control(fz: Frozen, plan, scheme: str) -> float:
+def _control(fz: Frozen, plan) -> float:
     probs, idx = plan.draw.probabilities.double(), plan.indices
-    c = (fz.shares[idx] / probs[idx]).sum()
-    return float(c / (len(idx) if scheme == "multinomial" else 1.0))
+    return float((fz.shares[idx] / probs[idx]).sum())
 
 
-def _design_centre(plan, scheme: str) -> float:
+def _design_centre(plan) -> float:
     """w̄₀ = m |S⁺| / (N K) on one rank, computed here from the draw's design (not read from the plan under test)."""
     probs, n = plan.draw.probabilities.double(), len(plan.p)
     drawable = int((plan.eligible & (probs > 0)).sum())
-    slots = float(probs[plan.eligible].sum()) * (plan.m if scheme == "multinomial" else 1)
+    slots = float(probs[plan.eligible].sum())
     return plan.m * drawable / n / slots if slots > 0 else 1.0
 
 
@@ -282,8 +298,8 @@ def linear_draws(fz: Frozen, b: torch.Tensor, kept, draws: dict[str, int], seed:
     non-filler weight forced to 1 (the factor then 1, or N/m for a loss whose normaliser is not a row mean).
 
     Second control variate: the kept weights' mean w̄ has E[w̄] = w̄₀ exactly (`design_weight_terms`, its
-    exact-enumeration test), so x = w̄ − w̄₀ has mean 0; the recentred and self-normalised estimators' spread is
-    mostly (w̄₀ − w̄)·Σ_k b_k, which x absorbs (`_mean_and_se`)."""
+    exact-enumeration test), so x = w̄ − w̄₀ has mean 0; the recentred estimator's spread is mostly
+    (w̄₀ − w̄)·Σ_k b_k, which x absorbs (`_mean_and_se`)."""
     out = {}
     total = float(fz.shares.sum())
     rows_loss = plan_module.LOSS_NORMALISERS[fz.trainer.args.loss_type].rows
@@ -298,9 +314,9 @@ def linear_draws(fz: Frozen, b: torch.Tensor, kept, draws: dict[str, int], seed:
             f = plan.factors.double()
             if method == "ones":
                 f = (~plan.filler).double() * (1.0 if rows_loss else len(fz.rows) / plan.m)
-            d[k] = float((f * b[plan.indices]).sum()) - _control(fz, plan, s.draw) + total
+            d[k] = float((f * b[plan.indices]).sum()) - _control(fz, plan) + total
             real = ~plan.filler
-            x[k] = float(plan.draw.weights[real].double().mean()) - _design_centre(plan, s.draw) if real.any() else 0.0
+            x[k] = float(plan.draw.weights[real].double().mean()) - _design_centre(plan) if real.any() else 0.0
             floored += plan.metrics["weight_frac_floored"]
         mean, se = _mean_and_se(d, x)
         out[method] = Stat(mean - 1.0, se, k_draws, plan.m, floored / k_draws)
@@ -331,7 +347,7 @@ def main(argv=None):  # pragma: no cover - the table of docs/algorithm.md: `pyth
     k = int(argv[0]) if argv else 10_000
     path = warmed_up_model_path(os.environ.get("TRL_COSTAWARE_CACHE"), seed=0)
     dataset = arithmetic_dataset(64, seed=3)
-    draws = {"none": 200, "recenter": k, "self_normalize": k, "ones": 500}
+    draws = {"none": 200, "recenter": k, "ones": 500}
     print("batch | loss | micro | rule | m | " + " | ".join(draws) + " | floored (recenter) | check", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         for batch in BATCHES:

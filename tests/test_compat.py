@@ -55,7 +55,7 @@ def test_sampling_works_when_the_environment_owns_the_reward(tmp_path, tiny_mode
     """reward_funcs omitted, as TRL allows with an environment that defines `get_reward`; the cost-aware draw runs on
     its rewards."""
     import torch
-    from test_trainer import last_metric, make_args
+    from testing_utils import last_metric, make_config
     from transformers import AutoTokenizer
     from trl.chat_template_utils import qwen3_chat_template
 
@@ -67,7 +67,7 @@ def test_sampling_works_when_the_environment_owns_the_reward(tmp_path, tiny_mode
 
     trainer = CostAwareGRPOTrainer(
         tiny_model_path,
-        args=make_args(tmp_path, max_steps=2),
+        args=make_config(tmp_path, max_steps=2),
         train_dataset=arithmetic_dataset(32, seed=1, conversational=True),
         processing_class=tokenizer,
         environment_factory=CountingEnvironment,

@@ -3,7 +3,7 @@
 
 The plan's factors when nothing kept carries a loss token are exact: KL scale 1 (β never becomes 0, on any rank:
 TRL's `if self.beta != 0.0` branch holds collectives) and bnpo factor 1 (no correction). The two-process cases (a rank
-with no loss tokens next to one with some) are in tests/test_distributed.py (`test_empty_rank_trains_on`).
+with no loss tokens next to one with some) are in tests/test_distributed.py (`test_empty_batches_train_on`).
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import math
 
 import pytest
 import torch
+from testing_utils import length_reward, make_config, tiny_dataset, weights_of
 from transformers import AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware.embedded.arithmetic import arithmetic_dataset
-from trl_costaware.embedded.model import tiny_model_path as build_tiny_model_path
 from trl_costaware.rows.plan import LOSS_NORMALISERS, PlanSettings, RowStats, plan_batch
 
 LOSS_TYPES = sorted(LOSS_NORMALISERS)
@@ -68,36 +67,20 @@ def test_kl_scale_is_never_zero(loss_type):
 
 
 # ---------------------------------------------------------------- real runs against GRPOTrainer
-def _args(cls, tmp_path, loss_type, beta, suppress, **extra):
-    return cls(
-        output_dir=str(tmp_path),
-        use_cpu=True,
-        report_to="none",
-        per_device_train_batch_size=8,
-        num_generations=4,
+def _args(cls, tmp_path, loss_type, beta, suppress):
+    return make_config(
+        tmp_path,
+        cls,
         max_completion_length=1,
         mask_truncated_completions=True,
         max_steps=1,
-        logging_steps=1,
-        save_strategy="no",
-        bf16=False,
-        seed=0,
         learning_rate=1e-2,
         loss_type=loss_type,
         beta=beta,
         importance_sampling_level="sequence" if loss_type == "luspo" else "token",
         # Neither EOS nor padding can be the one token: every completion is truncated, and the mask hides it.
         generation_kwargs={"suppress_tokens": suppress},
-        **extra,
     )
-
-
-def length_reward(completions, **kwargs):
-    return [float(len(c) % 4) for c in completions]
-
-
-def _weights(model):
-    return torch.cat([p.detach().flatten().float().clone() for p in model.parameters()])
 
 
 def eos_and_pad(model_path) -> list[int]:
@@ -105,20 +88,10 @@ def eos_and_pad(model_path) -> list[int]:
     return sorted({tokenizer.eos_token_id, tokenizer.pad_token_id})
 
 
-@pytest.fixture(scope="module")
-def model_path():
-    return build_tiny_model_path()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return arithmetic_dataset(16, seed=0)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("beta", BETAS, ids=["beta0", "beta"])
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_no_loss_token_step_trains_on_as_grpo_trainer(tmp_path, model_path, dataset, loss_type, beta):
+def test_no_loss_token_step_trains_on_as_grpo_trainer(tmp_path, tiny_model_path, loss_type, beta):
     """Every completion truncated: the step trains on, logs what GRPOTrainer logs (the KL metric included when
     β > 0), and moves the weights as GRPOTrainer does (not at all: every loss token is masked)."""
     runs = {}
@@ -126,12 +99,12 @@ def test_no_loss_token_step_trains_on_as_grpo_trainer(tmp_path, model_path, data
         ("grpo", GRPOTrainer, GRPOConfig),
         ("cost_aware", CostAwareGRPOTrainer, CostAwareGRPOConfig),
     ):
-        args = _args(config_cls, tmp_path / name, loss_type, beta, eos_and_pad(model_path))
-        trainer = trainer_cls(model_path, [length_reward], args=args, train_dataset=dataset)
-        before = _weights(trainer.model)
+        args = _args(config_cls, tmp_path / name, loss_type, beta, eos_and_pad(tiny_model_path))
+        trainer = trainer_cls(tiny_model_path, [length_reward], args=args, train_dataset=tiny_dataset(16))
+        before = weights_of(trainer.model)
         trainer.train()
         row = next(r for r in trainer.state.log_history if "loss" in r)
-        runs[name] = (row, _weights(trainer.model) - before)
+        runs[name] = (row, weights_of(trainer.model) - before)
     (grpo_row, grpo_move), (row, move) = runs["grpo"], runs["cost_aware"]
     assert grpo_row["completions/clipped_ratio"] == 1.0  # the case is the one meant: no loss token at all
     assert row["completions/clipped_ratio"] == 1.0

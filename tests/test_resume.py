@@ -10,10 +10,9 @@ import warnings
 
 import pytest
 import torch
-from test_trainer import length_reward, make_args  # the suite's tiny-run settings and reward
+from testing_utils import length_reward, logged, make_trainer, tiny_dataset
 
 from trl_costaware import CostAwareGRPOTrainer
-from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.trainer import STATE_FILE
 
 TOTALS = ("rollout_tokens", "generated_tokens", "policy_tokens", "policy_tokens_padded", "rows_generated", "rows_kept")
@@ -24,28 +23,17 @@ def position_reward(completions, **kwargs):
     return [float(i % 3) for i in range(len(completions))]
 
 
-def _args(tmp_path, **overrides):
-    settings = dict(max_completion_length=8, max_steps=4, save_strategy="steps", save_steps=2)
-    return make_args(tmp_path, **{**settings, **overrides})
+# Checkpoints every 2 of 4 optimizer steps, 8-token completions.
+RESUME = dict(max_completion_length=8, max_steps=4, save_strategy="steps", save_steps=2)
 
 
-def _trainer(tmp_path, rewards=(length_reward,), **overrides):
-    return CostAwareGRPOTrainer(
-        _model_path, list(rewards), args=_args(tmp_path, **overrides), train_dataset=arithmetic_dataset(64, seed=0)
-    )
-
-
-@pytest.fixture(autouse=True)
-def _model(tiny_model_path):
-    global _model_path
-    _model_path = tiny_model_path
+def _trainer(model, tmp_path, rewards=(length_reward,), cls=None, **overrides):
+    return make_trainer(model, tmp_path, rewards=rewards, cls=cls, **{**RESUME, **overrides})
 
 
 def _logged(trainer, key, after: int = 0):
-    """The logged values of a counter, on the rows after step `after` (a resumed run's log_history starts with the
-    checkpoint's)."""
-    rows = trainer.state.log_history
-    return [row[f"cost_aware/{key}"] for row in rows if f"cost_aware/{key}" in row and row["step"] > after]
+    """The logged values of a counter, on the rows after step `after`."""
+    return logged(trainer, f"cost_aware/{key}", after)
 
 
 def _resume_warnings(trainer, checkpoint):
@@ -56,8 +44,8 @@ def _resume_warnings(trainer, checkpoint):
 
 
 # ---------------------------------------------------------------------------------------------------- missing file
-def test_missing_state_file_warns_once_and_keeps_the_counters_monotone(tmp_path):
-    straight = _trainer(tmp_path)
+def test_missing_state_file_warns_once_and_keeps_the_counters_monotone(tmp_path, tiny_model_path):
+    straight = _trainer(tiny_model_path, tmp_path)
     straight.train()
     checkpoint = str(tmp_path / "out" / "checkpoint-2")
     os.remove(os.path.join(checkpoint, STATE_FILE.format(rank=0)))
@@ -66,7 +54,7 @@ def test_missing_state_file_warns_once_and_keeps_the_counters_monotone(tmp_path)
     at_checkpoint = {k: max(row[f"cost_aware/{k}"] for row in history if f"cost_aware/{k}" in row) for k in TOTALS}
     assert at_checkpoint["policy_tokens"] > 0
 
-    resumed = _trainer(tmp_path / "resumed", output_dir=str(tmp_path / "out"))
+    resumed = _trainer(tiny_model_path, tmp_path / "resumed", output_dir=str(tmp_path / "out"))
     messages = _resume_warnings(resumed, checkpoint)
     assert len(messages) == 1, messages
     assert "trainer_state.json" in messages[0]  # says where the counters came from
@@ -78,15 +66,15 @@ def test_missing_state_file_warns_once_and_keeps_the_counters_monotone(tmp_path)
         assert values[-1] == _logged(straight, key)[-1], key
 
 
-def test_missing_state_file_of_another_rank_falls_back_to_rank_0s(tmp_path, monkeypatch):
-    """A rank without its file (world size grew): rank 0's global counters and compute state, this rank's own
-    streams (not rank 0's)."""
-    trainer = _trainer(tmp_path, max_steps=2)
+def test_missing_state_file_of_another_rank_falls_back_to_rank_0s(tmp_path, tiny_model_path, monkeypatch):
+    """A rank without its file (world size grew): rank 0's global counters, this rank's own streams (not rank
+    0's)."""
+    trainer = _trainer(tiny_model_path, tmp_path, max_steps=2)
     trainer.train()
     checkpoint = str(tmp_path / "out" / "checkpoint-2")
     saved = torch.load(os.path.join(checkpoint, STATE_FILE.format(rank=0)), weights_only=True)
     assert saved["rank"] == 0 and saved["world_size"] == 1
-    fresh = _trainer(tmp_path / "fresh", max_steps=2)
+    fresh = _trainer(tiny_model_path, tmp_path / "fresh", max_steps=2)
     stream = fresh._sampler_generator.get_state()
     monkeypatch.setattr(type(fresh.accelerator), "process_index", property(lambda self: 1))
     with warnings.catch_warnings(record=True) as caught:
@@ -98,36 +86,31 @@ def test_missing_state_file_of_another_rank_falls_back_to_rank_0s(tmp_path, monk
     assert torch.equal(fresh._sampler_generator.get_state(), stream)
 
 
-def test_cost_aware_state_is_extensible_by_mixins(tmp_path):
-    """A mixin after the trainer class in the MRO (as the trainer's own mixin bases are) adds its entries through
-    `super()` and gets them back on restore, with the trainer's own entries."""
+def test_cost_aware_state_is_extensible(tmp_path, tiny_model_path):
+    """A subclass adds its entries to the checkpoint through `super()` (`_cost_aware_state`) and gets them back on
+    restore (`_restore_cost_aware_state`), with the trainer's own entries."""
 
-    class Extra:
+    class Trainer(CostAwareGRPOTrainer):
         restored = None
 
         def _cost_aware_state(self):
-            base = getattr(super(), "_cost_aware_state", None)
-            state = base() if base is not None else {}
+            state = super()._cost_aware_state()
             state["extra"] = {"value": 7}
             return state
 
         def _restore_cost_aware_state(self, state):
-            base = getattr(super(), "_restore_cost_aware_state", None)
-            if base is not None:
-                base(state)
-            Extra.restored = state.get("extra")
+            super()._restore_cost_aware_state(state)
+            Trainer.restored = state.get("extra")
 
-    class Trainer(CostAwareGRPOTrainer, Extra):  # MRO: the trainer, its bases, GRPOTrainer, ..., Extra, object
-        pass
-
-    trainer = Trainer(
-        _model_path, [length_reward], args=_args(tmp_path, max_steps=2), train_dataset=arithmetic_dataset(32, seed=0)
-    )
+    trainer = _trainer(tiny_model_path, tmp_path, cls=Trainer, dataset=tiny_dataset(32), max_steps=2)
     trainer.train()
     state = trainer._cost_aware_state()
-    assert state["extra"] == {"value": 7} and "totals" in state and "generator" in state and "compute" in state
-    trainer._load_cost_aware_state(str(tmp_path / "out" / "checkpoint-2"))
-    assert Extra.restored == {"value": 7}
+    assert state["extra"] == {"value": 7} and "totals" in state and "generator" in state
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    saved = torch.load(os.path.join(checkpoint, STATE_FILE.format(rank=0)), weights_only=True)
+    assert saved["extra"] == {"value": 7}
+    trainer._load_cost_aware_state(checkpoint)
+    assert Trainer.restored == {"value": 7}
 
 
 # ---------------------------------------------------------------------------------------------------- mid-buffer
@@ -138,9 +121,9 @@ def _record(trainer):
 
     def recorded(batch):
         before = trainer._sampler_generator.get_state()
-        indices, factors = original(batch)
-        seen.append((before, indices.clone(), factors.clone()))
-        return indices, factors
+        plan = original(batch)
+        seen.append((before, plan.indices.clone(), plan.factors.clone()))
+        return plan
 
     trainer._draw_kept_rows = recorded
     return seen
@@ -153,7 +136,7 @@ MID_BUFFER = dict(max_steps=6, save_steps=3, steps_per_generation=2, gradient_ac
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["same_rollouts", "new_rollouts"])
-def test_resume_inside_a_buffer_keeps_the_samplers_stream(tmp_path, deterministic):
+def test_resume_inside_a_buffer_keeps_the_samplers_stream(tmp_path, tiny_model_path, deterministic):
     """same_rollouts: learning rate 0 and top_k=1 (greedy), so TRL's regenerated buffer holds the interrupted one's
     rollouts: the resumed run draws exactly the uninterrupted run's rows with its weights, from the regenerated
     buffer on. new_rollouts (a real run): TRL regenerates the buffer with the moved policy and another torch RNG
@@ -164,11 +147,11 @@ def test_resume_inside_a_buffer_keeps_the_samplers_stream(tmp_path, deterministi
     if deterministic:
         overrides.update(learning_rate=0.0, top_k=1)
         rewards = (position_reward,)
-    straight = _trainer(tmp_path / "a", rewards, **overrides)
+    straight = _trainer(tiny_model_path, tmp_path / "a", rewards, **overrides)
     straight_draws = _record(straight)
     straight.train()
     assert len(straight_draws) == 3
-    resumed = _trainer(tmp_path / "b", rewards, **overrides)
+    resumed = _trainer(tiny_model_path, tmp_path / "b", rewards, **overrides)
     resumed_draws = _record(resumed)
     resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-3"))
     # The resumed run regenerates the second generation batch, then draws the third (and, with TRL's shifted

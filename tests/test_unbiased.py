@@ -1,4 +1,8 @@
-"""Monte Carlo check that the cost-aware gradient is an unbiased estimate of GRPOTrainer's full-batch gradient.
+"""Monte Carlo checks that the cost-aware gradient is an unbiased estimate of GRPOTrainer's full-batch gradient with
+the Horvitz–Thompson weights ("none"), for every loss type, with controls that must be flagged; the KL term; and the
+weights matrix, where "recenter" is measured against "none" and weights forced to 1.
+
+I. The pipeline matrix.
 
 One fixed generation batch of the warmed-up model (varied completion lengths: short problems end early, long ones run
 to the cap). Target g: TRL's own loss on the whole generation batch as one micro-batch, differentiated. Estimate: the
@@ -16,30 +20,57 @@ Coverage: one optimizer step by default; `steps_per_generation = 2 × gradient_a
 whole generation batch (two optimizer steps); the second pass of `num_iterations=2` alone; β > 0 with a perturbed
 reference model, where the target is the policy term and the KL term is checked separately (it is not reweighted: on
 every draw it is TRL's KL term of the kept rows, at the full batch's scale through the β rescaling of batch-token
-losses, whose removal is a control: tests/test_unbiased_kl.py).
+losses, whose removal is a control: part II). The even layout (which the trainer runs with an entropy bonus or a
+router aux loss) is forced in its cases and in the controls.
+
+II. The KL term (β > 0, perturbed reference): not reweighted, TRL's KL of the kept rows. On every draw it equals TRL's
+KL term on the kept rows alone, at the full batch's scale through the β rescaling of batch-token losses; dropping the
+rescaling is the control.
+
+III. The weights matrix: bias of each weight normalisation along the full-batch GRPOTrainer gradient, on batches where
+0%, 25%, 50% and 75% of the rows cannot be drawn.
+
+Batches (`_mc.BATCHES`, 32 rows of the warmed-up model, 8 groups of 4): the rows that cannot be drawn come from
+zero-std groups, or from the truncated rows `mask_truncated_completions` hides plus zero-std groups. Each batch is
+crossed with grpo / dapo / bnpo, 1 and 2 micro-batches per optimizer step, and two kept fractions (0.25 and 0.5). Per
+cell, through the trainer: the target g (TRL's loss on the whole batch), each row's gradient through the whole
+pipeline (`_mc.row_probes`), and real trainer draws that must equal the linear combination of their plan's factors
+(`_mc.check_linear`: the shortcut is tested in every cell, not assumed). Then K draws of the real `plan.plan_batch`
+per weighting, evaluated exactly as linear combinations (`_mc.linear_draws`).
+
+Statistic: bias = E[ĝ]·g/‖g‖² − 1, with two control variates of known mean (the draw's Horvitz–Thompson estimate of
+Σ a_i, and the kept weights' mean minus its expectation w̄₀). Bounds:
+
+- `none` (the Horvitz–Thompson weights): zero within 3 standard errors (its SE is ~0 with the control variate, so
+  this is float-level agreement);
+- weights forced to 1 (the control): detected, |bias| > max(3 SE, 1%);
+- `recenter`: |bias| ≤ `NORMALISED_BOUND` = 15%, a third of the smallest error of the old centre (centred at 1,
+  recentring measured +44% to +50% at 25%, +132% to +155% at 50%, +300% to +448% at 75% of rows undrawable, so this
+  fails in every cell with undrawable rows on the old code). It is a ratio estimator with an O(1/m) bias, detected
+  as biased where it is large enough to see (`test_recenter_is_biased`: beyond 1% and 3 SE with m = 8 of 32).
+
+`make test` runs `SUITE` (every batch, every loss type, both micro-batch counts and both fractions appear), the
+`mc_full` tests the whole products at more draws (`python tests/_mc.py K` prints the weights table).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import pytest
 import torch
+from _mc import BATCHES, LOSSES, MICROS, RULES, batch_case, run_cell
+from _mc import flat_grad as _flat_grad
+from _mc import full_batch_grad as _full_batch_grad
+from testing_utils import LOSS_TYPES, force_layout, loss_settings, make_config, tiny_dataset
 from trl import GRPOTrainer
 
-from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-from trl_costaware import trainer as trainer_module
+from trl_costaware import CostAwareGRPOTrainer
+from trl_costaware.rows import plan as plan_module
 
-try:  # the sampler's decision lives in plan.py once the trainer delegates to it
-    from trl_costaware.rows import plan as plan_module
-except ImportError:  # pragma: no cover - older layout
-    plan_module = None
-from trl_costaware.embedded.arithmetic import arithmetic_dataset
-
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
-LOSS_SETTINGS = {"luspo": {"importance_sampling_level": "sequence"}}
 BOUND = 4.0  # standard errors
 POWER_Z = 1.2816  # one-sided 90% quantile of the normal: detect a bias b when b ≥ (BOUND + POWER_Z)·SE
 PILOT = 48  # draws used to size K from the spread of t
@@ -61,7 +92,7 @@ REWARDS = {"length": length_reward, "binary": binary_reward}
 
 @pytest.fixture(scope="module")
 def dataset():
-    return arithmetic_dataset(64, seed=3)
+    return tiny_dataset(64, seed=3)  # the prompts `_mc.PROMPTS` index
 
 
 def make_trainer(
@@ -75,35 +106,28 @@ def make_trainer(
     spg=None,
     perturbed_reference=0.0,
     coverage="optimizer_step",
+    layout=None,
     **overrides,
 ):
     """`micro` micro-batches per optimizer step (gradient_accumulation_steps), `spg` per generation batch (default
     `micro`). `perturbed_reference` > 0 adds Gaussian noise of that relative size to the reference model's weights, so
-    the KL term has a gradient. `coverage` is what a draw's gradient is summed over (see `projections`)."""
+    the KL term has a gradient. `coverage` is what a draw's gradient is summed over (see `projections`). `layout`
+    forces "even" (default: the trainer's, packed)."""
     spg = spg or micro
-    kwargs = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to="none",
+    settings = dict(
         per_device_train_batch_size=16 // spg,
         steps_per_generation=spg,
         gradient_accumulation_steps=micro,
-        num_generations=4,
         max_completion_length=16,
         max_steps=1,
-        save_strategy="no",
-        bf16=False,
-        seed=0,
-        loss_type=loss_type,
         cost_aware_kept_fraction=0.5,
         cost_aware_smoothing=0.2,
         cost_aware_weight_normalization="none",  # the Horvitz–Thompson weights, the unbiased estimator checked here
-        **LOSS_SETTINGS.get(loss_type, {}),
     )
-    kwargs.update(overrides)
-    trainer = CostAwareGRPOTrainer(
-        model_path, [REWARDS[reward]], args=CostAwareGRPOConfig(**kwargs), train_dataset=dataset
-    )
+    args = make_config(tmp_path, **{**settings, **loss_settings(loss_type), **overrides})
+    trainer = CostAwareGRPOTrainer(model_path, [REWARDS[reward]], args=args, train_dataset=dataset)
+    if layout is not None:
+        force_layout(trainer, layout)
     trainer.model.train()
     if perturbed_reference:
         assert trainer.ref_model is not None, "a perturbed reference needs beta > 0 (and no PEFT)"
@@ -116,10 +140,6 @@ def make_trainer(
     return trainer
 
 
-def _flat_grad(model) -> torch.Tensor:
-    return torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
-
-
 @dataclass
 class Case:
     trainer: CostAwareGRPOTrainer
@@ -128,20 +148,6 @@ class Case:
     target: torch.Tensor  # g, the full-batch gradient (or a scaled one, for a control)
     rows: torch.Tensor  # a_i = ⟨h_i, g⟩/‖g‖², h_i row i's share of the true full-batch gradient (Σ_i h_i = g_true)
     kl_target: torch.Tensor | None = None  # the full batch's KL-term gradient, when the policy term is g (below)
-
-
-def _full_batch_grad(trainer, batch) -> torch.Tensor:
-    """TRL's own loss on the whole generation batch as one micro-batch (no accumulation), differentiated."""
-    args = trainer.args
-    spg = args.steps_per_generation
-    args.steps_per_generation, trainer.current_gradient_accumulation_steps = 1, 1
-    try:
-        trainer.model.zero_grad()
-        GRPOTrainer._compute_loss(trainer, trainer.model, batch).backward()
-        return _flat_grad(trainer.model)
-    finally:
-        args.steps_per_generation = spg
-        trainer.current_gradient_accumulation_steps = args.gradient_accumulation_steps
 
 
 def fixed_case(trainer, dataset, monkeypatch, target_scale: float = 1.0) -> Case:
@@ -190,27 +196,32 @@ def fixed_case(trainer, dataset, monkeypatch, target_scale: float = 1.0) -> Case
     return Case(trainer, raw, full, g, shares @ g / (g @ g), g_kl if perturbed else None)
 
 
+def recorded_draws(monkeypatch) -> list:
+    """The draws `plan.plan_batch` makes from now on (it calls `draw_systematic` through its module global), appended
+    to the returned list."""
+    seen = []
+    original = plan_module.draw_systematic
+
+    def recorded(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(plan_module, "draw_systematic", recorded)
+    return seen
+
+
 def projections(case: Case, draws: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For `draws` runs of the whole pipeline: t_k = ⟨ĝ_k, g⟩/‖g‖², ĝ_k the gradient summed over the micro-steps of
-    one optimizer step, and the control variate c_k = Σ_{i drawn} a_i/π_i (Horvitz–Thompson; Σ_draws a_i/(m p_i) for
-    multinomial draws) from the design the sampler reported, whose mean Σ_i a_i is known exactly. A correct trainer
-    makes t_k − c_k ≈ 0 draw by draw; a wrong factor or normaliser shifts it by the relative bias."""
+    one optimizer step, and the control variate c_k = Σ_{i drawn} a_i/π_i (Horvitz–Thompson) from the design the
+    sampler reported, whose mean Σ_i a_i is known exactly. A correct trainer makes t_k − c_k ≈ 0 draw by draw; a wrong
+    factor or normaliser shifts it by the relative bias."""
     trainer, g = case.trainer, case.target
     first, steps, scale = _coverage(trainer)
     t = torch.empty(draws, dtype=torch.float64)
     c = torch.empty(draws, dtype=torch.float64)
-    seen = []
-    owners = [m for m in (trainer_module, plan_module) if m is not None and hasattr(m, "draw_rows")]
-    originals = [owner.draw_rows for owner in owners]
-
-    def recorded(p, m, scheme, *args, **kwargs):
-        out = originals[0](p, m, scheme, *args, **kwargs)
-        seen.append((out, scheme))
-        return out
-
-    for owner in owners:
-        owner.draw_rows = recorded
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        seen = recorded_draws(mp)
         for k in range(draws):
             trainer._buffered_inputs = None
             trainer._step = 0
@@ -227,13 +238,10 @@ def projections(case: Case, draws: int) -> tuple[torch.Tensor, torch.Tensor]:
                     loss.backward()
                 trainer._step += 1
             t[k] = _flat_grad(trainer.model) @ g / (g @ g) / scale
-            draw, scheme = seen.pop()
+            draw = seen.pop()
             assert not seen, "one draw per generation batch"
             a, probs, idx = case.rows, draw.probabilities.double(), draw.indices
-            c[k] = (a[idx] / probs[idx]).sum() / (len(idx) if scheme == "multinomial" else 1.0)
-    finally:
-        for owner, original in zip(owners, originals, strict=True):
-            owner.draw_rows = original
+            c[k] = (a[idx] / probs[idx]).sum()
     return t, c
 
 
@@ -290,16 +298,17 @@ OPTIONS = {
     "truncation_mask": dict(mask_truncated_completions=True, max_completion_length=12),
     "beta": dict(beta=0.05),
     "num_iterations_2": dict(num_iterations=2),
-    "multinomial": dict(cost_aware_draw="multinomial"),
-    "group_by_length_pad8": dict(cost_aware_layout="even_by_length", pad_to_multiple_of=8),
+    # TRL's split (m/S rows per micro-step), as with an entropy bonus or a router aux loss; and with padding to 8
+    "even_layout": dict(layout="even"),
+    "even_layout_pad8": dict(layout="even", pad_to_multiple_of=8),
     # a zero-advantage group: with β = 0 its rows are outside the support (the draw and the smoothing spread over the
     # 12 informative rows only) and m = 0.9·16 → 14 is capped at 12; with β > 0 they are eligible (KL gradient)
     "zero_signal_support": dict(reward="binary"),
     "zero_signal_capped": dict(reward="binary", cost_aware_kept_fraction=0.9),
     "zero_signal_beta": dict(reward="binary", beta=0.05),
     "token_budget": dict(cost_aware_token_budget=150),
-    # kept rows re-cut into full micro-batches (B' = B/f, S' = f·S, G' = f·G): one micro-batch of 8 here
-    "full_micro_batches": dict(cost_aware_layout="full"),
+    "proxy_loss_aware": dict(cost_aware_proxy="loss_aware"),
+    "proxy_uniform": dict(cost_aware_proxy="uniform"),
     # steps_per_generation = 2 × GA: 4 micro-batches of 2 kept rows, two optimizer steps, summed over the whole
     # generation batch (against 2 × the full-batch gradient, see `_coverage`)
     "spg_2x_ga": dict(spg=4, coverage="generation"),
@@ -309,7 +318,7 @@ OPTIONS = {
     # the policy term, which the weights make unbiased (the KL term is the kept rows' KL: `test_kl_term_*` below)
     "beta_perturbed_reference": dict(beta=0.1, perturbed_reference=0.05),
 }
-THREE_LOSSES = ("truncation_mask", "beta", "full_micro_batches", "spg_2x_ga", "beta_perturbed_reference")
+THREE_LOSSES = ("truncation_mask", "beta", "even_layout", "spg_2x_ga", "beta_perturbed_reference")
 MATRIX = [pytest.param(lt, micro, {}, id=f"{lt}-micro{micro}") for lt in LOSS_TYPES for micro in (1, 2)] + [
     pytest.param(lt, 2, opts, id=f"{lt}-micro2-{name}")
     for name, opts in OPTIONS.items()
@@ -338,8 +347,7 @@ def test_unbiased_matrix(warm_model_path, dataset, tmp_path, monkeypatch, loss_t
     informative = int((case.full["advantages"] != 0).sum())
     if options.get("reward") == "binary":  # the case has zero-signal rows to avoid, and informative ones
         assert 0 < informative < 14, informative
-    if options.get("cost_aware_layout") == "full":  # the layout was applied: 16 rows, one micro-step per step
-        assert (trainer.args.per_device_train_batch_size, trainer.args.gradient_accumulation_steps) == (16, 1)
+    assert trainer._layout == options.get("layout", "packed")
     r = run_case(case, CHEAP_DRAWS)
     assert _detects_5_percent(r), r
     assert not r.biased(TOLERANCE), r
@@ -350,33 +358,27 @@ def test_unbiased_matrix(warm_model_path, dataset, tmp_path, monkeypatch, loss_t
             assert set(metrics["cost_aware/batch_rows_kept"]) == {informative}  # m capped at the informative rows
 
 
-def _patched_constants(monkeypatch, **values):
-    """The two wrong-normaliser controls, on the trainer's constants or, once the loss table lives in plan.py, on
-    `plan.LOSS_NORMALISERS` (dapo given luspo's normaliser: factor w; bnpo given dr_grpo's: w, TRL's own count)."""
-    for name, value in values.items():
-        if hasattr(trainer_module, name):
-            monkeypatch.setattr(trainer_module, name, value)
-            continue
-        table = plan_module.LOSS_NORMALISERS
-        wrong, right = {"TOKEN_SUM_LOSSES": ("dapo", "luspo"), "MICRO_TOKEN_MEAN_LOSSES": ("bnpo", "dr_grpo")}[name]
-        monkeypatch.setitem(table, wrong, table[right])
+def _wrong_normaliser(monkeypatch, wrong: str, right: str):
+    """A wrong-normaliser control: `wrong` given `right`'s entry of `plan.LOSS_NORMALISERS`."""
+    table = plan_module.LOSS_NORMALISERS
+    monkeypatch.setitem(table, wrong, table[right])
 
 
 def _weights_forced_to_one(monkeypatch, trainer):
     original = trainer._draw_kept_rows
 
     def unweighted(batch):
-        idx, factors = original(batch)
-        return idx, torch.ones_like(factors)
+        plan = original(batch)
+        return dataclasses.replace(plan, factors=torch.ones_like(plan.factors))
 
     monkeypatch.setattr(trainer, "_draw_kept_rows", unweighted)
 
 
 CONTROLS = {
-    "target_plus_5pct": ("grpo", 1.05, {}),
-    "target_minus_5pct": ("grpo", 0.95, {}),
-    "dapo_factor_w": ("dapo", 1.0, {"TOKEN_SUM_LOSSES": ()}),  # w instead of w·N/m
-    "bnpo_as_grpo": ("bnpo", 1.0, {"MICRO_TOKEN_MEAN_LOSSES": ()}),  # no N/m, TRL's own micro-batch token count
+    "target_plus_5pct": ("grpo", 1.05, None),
+    "target_minus_5pct": ("grpo", 0.95, None),
+    "dapo_factor_w": ("dapo", 1.0, ("dapo", "luspo")),  # w instead of w·N/m
+    "bnpo_as_grpo": ("bnpo", 1.0, ("bnpo", "dr_grpo")),  # no N/m, TRL's own micro-batch token count
     "weights_one": ("grpo", 1.0, "ones"),
 }
 
@@ -391,13 +393,11 @@ def test_matrix_controls_fail(warm_model_path, dataset, tmp_path, monkeypatch, c
     # patch changes, and with one packed micro-batch of 2·(m/2) rows that correction (×2) is exactly the N/m the
     # dapo control removes. The packed layout's own corrections are checked against the even layout's gradient
     # (tests/test_packed_layout.py, which fails without them).
-    trainer = make_trainer(
-        warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=micro, cost_aware_layout="even"
-    )
+    trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=micro, layout="even")
     if patch == "ones":
         _weights_forced_to_one(monkeypatch, trainer)
-    else:
-        _patched_constants(monkeypatch, **patch)
+    elif patch is not None:
+        _wrong_normaliser(monkeypatch, *patch)
     case = fixed_case(trainer, dataset, monkeypatch, target_scale=scale)
     # bnpo given grpo's factor is a ratio bias that varies draw by draw (2.1% with one micro-batch, 4.9% with two on
     # this batch): d has a real spread there, so more draws (z ≈ 7 and 6.5 at the sizes below).
@@ -454,3 +454,157 @@ def test_unbiased_matrix_full(warm_model_path, dataset, tmp_path, monkeypatch, l
     assert abs(mean - 1.0) < max(BOUND * se, TOLERANCE), (mean, se, len(t))
     for scale in (1.05, 0.95):  # ⟨ĝ, s·g⟩/‖s·g‖² = t/s
         assert abs(mean / scale - 1.0) >= max(BOUND * se / scale, TOLERANCE), (scale, mean, se)
+
+
+# ---------------------------------------------------------------- II. the KL term
+def _kept_rows_kl_grad(trainer, full, indices) -> torch.Tensor:
+    """The gradient of TRL's KL term (advantages 0) on a batch of the kept rows alone, as one micro-batch, with the
+    kept rows' own token count as `num_items_in_batch`: the kept rows' KL at the full batch's scale."""
+    n = full["advantages"].shape[0]
+    kept = {k: v[indices] if torch.is_tensor(v) and v.dim() and v.shape[0] == n else v for k, v in full.items()}
+    kept["advantages"] = torch.zeros_like(kept["advantages"])
+    kept["num_items_in_batch"] = kept["completion_mask"].sum().to(full["num_items_in_batch"])
+    ids = torch.cat([kept["prompt_ids"], kept["completion_ids"]], 1)
+    mask = torch.cat([kept["prompt_mask"], kept["completion_mask"]], 1)
+    with torch.no_grad():
+        kept["ref_per_token_logps"] = trainer._get_per_token_logps_and_entropies(
+            trainer.ref_model, ids, mask, kept["completion_ids"].size(1)
+        )[0]
+    return _full_batch_grad(trainer, kept)
+
+
+def _pipeline_kl_grads(trainer, raw, draws: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(kept indices, gradient of the KL part summed over one optimizer step) for `draws` draws of the pipeline."""
+    out = []
+    with pytest.MonkeyPatch.context() as mp:
+        seen = recorded_draws(mp)
+        for _ in range(draws):
+            trainer._buffered_inputs, trainer._step = None, 0
+            trainer.model.zero_grad()
+            for _ in range(trainer.args.gradient_accumulation_steps):
+                inputs = trainer._prepare_inputs(raw)
+                zero = dict(inputs, advantages=torch.zeros_like(inputs["advantages"]))
+                trainer._compute_loss(trainer.model, zero).backward()
+                trainer._step += 1
+            out.append((seen.pop().indices.clone(), _flat_grad(trainer.model)))
+    return out
+
+
+def _without_kl_scale(monkeypatch, trainer):
+    """The control: β no longer rescaled by T_full / T_kept (the plan's `kl_scale`) for batch-token losses."""
+    original = trainer._compute_loss
+
+    def unscaled(model, inputs):
+        trainer._buffer_kl_scale = None
+        return original(model, inputs)
+
+    monkeypatch.setattr(trainer, "_compute_loss", unscaled)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_kl_term_is_the_kept_rows_kl_at_full_batch_scale(warm_model_path, dataset, tmp_path, monkeypatch, loss_type):
+    """With a perturbed reference the KL term has a gradient, and it is not reweighted: on every draw it equals TRL's
+    KL term on the kept rows alone, at the full batch's scale — for dapo that needs the β rescaling by T_full/T_kept
+    (the plan's `kl_scale`); without it the KL term shrinks to T_kept/T_full of its size, which this test flags.
+    (bnpo's KL term is each kept micro-batch's own token mean, as in TRL: not compared here.)"""
+    trainer = make_trainer(
+        warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=2, **OPTIONS["beta_perturbed_reference"]
+    )
+    case = fixed_case(trainer, dataset, monkeypatch)
+    for indices, grad in _pipeline_kl_grads(trainer, case.raw, 3):
+        expected = _kept_rows_kl_grad(trainer, case.full, indices)
+        assert expected.norm() > 0
+        torch.testing.assert_close(grad, expected, rtol=1e-3, atol=1e-3 * float(expected.abs().max()))
+
+
+@pytest.mark.slow
+def test_kl_term_without_kl_scale_is_flagged(warm_model_path, dataset, tmp_path, monkeypatch):
+    """The control of the test above: dapo without the β rescaling is off by T_kept/T_full on every draw."""
+    trainer = make_trainer(
+        warm_model_path, dataset, tmp_path, loss_type="dapo", micro=2, **OPTIONS["beta_perturbed_reference"]
+    )
+    case = fixed_case(trainer, dataset, monkeypatch)
+    _without_kl_scale(monkeypatch, trainer)
+    lengths = case.full["completion_mask"].sum(-1)
+    for indices, grad in _pipeline_kl_grads(trainer, case.raw, 3):
+        expected = _kept_rows_kl_grad(trainer, case.full, indices)
+        shrink = float(lengths[indices].sum() / lengths.sum())
+        assert shrink < 0.9
+        torch.testing.assert_close(grad, expected * shrink, rtol=1e-3, atol=1e-3 * float(expected.abs().max()))
+
+
+# ---------------------------------------------------------------- III. the weights matrix
+NONE_Z = 3.0
+CONTROL_MIN = 0.01
+NORMALISED_BOUND = 0.15  # a third of the old centre's smallest error (+44%); see the module docstring
+RECENTER_BIAS = 0.01  # "recenter" is biased by more than this (test_recenter_is_biased)
+CHECK_TOLERANCE = 1e-4  # real trainer draw vs the linear combination, relative to Σ |f_k b_k| (float32 model)
+
+# 7 (batch, loss, micro) triples, one per batch, both rules each: every value of every axis appears, each loss type
+# with 1 and with 2 micro-batches, and each loss type on both kinds of undrawable rows (zero-std groups, truncation).
+SUITE = [
+    ("0%", "grpo", 1),
+    ("groups 25%", "dapo", 2),
+    ("groups 50%", "bnpo", 1),
+    ("groups 75%", "grpo", 2),
+    ("truncated 25%", "dapo", 1),
+    ("truncated 50%", "bnpo", 2),
+    ("truncated 75%", "grpo", 1),
+]
+FULL = [(batch, loss, micro) for batch in BATCHES for loss in LOSSES for micro in MICROS]
+
+
+def _id(value) -> str:
+    return str(value).replace(" ", "").replace("%", "pct")
+
+
+def _check_cell(stats, worst, label, bound):
+    none, ones = stats["none"], stats["ones"]
+    assert worst <= CHECK_TOLERANCE, (label, worst)
+    assert abs(none.bias) <= max(NONE_Z * none.se, 1e-5), (label, str(none))
+    assert abs(ones.bias) > max(NONE_Z * ones.se, CONTROL_MIN), (label, str(ones))
+    s = stats["recenter"]
+    assert abs(s.bias) <= bound, (label, "recenter", str(s), s.draws)
+
+
+def _run(
+    warm_model_path, dataset, tmp_path, monkeypatch, batch, loss_type, micro, k, rules=RULES, bound=NORMALISED_BOUND
+):
+    fz = batch_case(warm_model_path, dataset, tmp_path, monkeypatch, batch, loss_type, micro)
+    draws = {"none": 100, "recenter": k, "ones": 200}
+    for rule in rules:
+        stats, worst = run_cell(fz, rule, monkeypatch, draws)
+        print(f"{batch} {loss_type} micro={micro} {rule}: m={stats['none'].m}", {m: str(s) for m, s in stats.items()})
+        _check_cell(stats, worst, (batch, loss_type, micro, rule), bound)
+
+
+def test_the_suites_cells_cover_every_axis():
+    assert {b for b, _, _ in SUITE} == set(BATCHES)
+    assert {(loss, micro) for _, loss, micro in SUITE} == {(loss, micro) for loss in LOSSES for micro in MICROS}
+    for kind in ("groups", "truncated"):
+        assert {loss for b, loss, _ in SUITE if b.startswith(kind)} == set(LOSSES), kind
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("batch", "loss_type", "micro"), SUITE, ids=_id)
+def test_weights_matrix(warm_model_path, dataset, tmp_path, monkeypatch, batch, loss_type, micro):
+    _run(warm_model_path, dataset, tmp_path, monkeypatch, batch, loss_type, micro, k=3000)
+
+
+@pytest.mark.mc_full
+@pytest.mark.parametrize(("batch", "loss_type", "micro"), FULL, ids=_id)
+def test_weights_matrix_full(warm_model_path, dataset, tmp_path, monkeypatch, batch, loss_type, micro):
+    _run(warm_model_path, dataset, tmp_path, monkeypatch, batch, loss_type, micro, k=20_000)
+
+
+@pytest.mark.slow
+def test_recenter_is_biased(warm_model_path, dataset, tmp_path, monkeypatch):
+    """Where its O(1/m) bias is large enough to see (m = 8 of 32, every row drawable: about +4%), `recenter` is
+    detected as biased by the statistic that finds `none` unbiased in the same cell."""
+    fz = batch_case(warm_model_path, dataset, tmp_path, monkeypatch, "0%", "grpo", 1)
+    stats, _ = run_cell(fz, 0.25, monkeypatch, {"none": 100, "recenter": 3000}, checks=0)
+    none, recenter = stats["none"], stats["recenter"]
+    print("0% grpo micro=1 0.25:", {m: str(s) for m, s in stats.items()})
+    assert abs(none.bias) <= max(NONE_Z * none.se, 1e-5), str(none)
+    assert abs(recenter.bias) > max(NONE_Z * recenter.se, RECENTER_BIAS), str(recenter)

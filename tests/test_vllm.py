@@ -15,14 +15,13 @@ import types
 import pytest
 import torch
 from test_distributed import free_port
-from test_trainer import last_metric, length_reward, make_args, weights_of
+from testing_utils import last_metric, length_reward, make_config, weights_of
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import GRPOConfig, GRPOTrainer
 from trl.generation import vllm_client as client_module
 from trl.generation import vllm_generation as generation_module
 
 from trl_costaware import CostAwareGRPOTrainer
-from trl_costaware.embedded.arithmetic import arithmetic_dataset
 from trl_costaware.rows.vllm_ratio import (
     NO_TOKEN_STATS,
     VLLM_IS_MODES,
@@ -201,11 +200,6 @@ def stand_in_vllm(monkeypatch, tiny_model_path):
     return engine
 
 
-@pytest.fixture(scope="module")
-def dataset():
-    return arithmetic_dataset(64, seed=0)
-
-
 @pytest.mark.parametrize("mode", ["colocate", "server"])
 @pytest.mark.parametrize("correction", [True, False])
 def test_vllm_paths_train_with_cost_aware_sampling(
@@ -215,7 +209,7 @@ def test_vllm_paths_train_with_cost_aware_sampling(
     over the kept rows only (the ratio is formed per kept micro-batch by `vllm_ratio.py`), as does the reference pass;
     without it, no old-policy pass runs at all (steps aligned). Either way only the kept rows reach a forward pass:
     with the correction that saves n − m = 4 of 8 rows of no-grad policy forward per step (TRL alone runs all 8)."""
-    args = make_args(
+    args = make_config(
         tmp_path,
         use_vllm=True,
         vllm_mode=mode,
@@ -251,7 +245,7 @@ def test_vllm_correction_misaligned_steps_ratio_exact(tmp_path, tiny_model_path,
     """Under the vLLM correction with misaligned steps, the old log-probs the clipped ratio uses are recomputed on the
     kept micro-batches (TRL's full-batch ones had other padding): equal to the policy pass's before the first
     update."""
-    args = make_args(
+    args = make_config(
         tmp_path,
         use_vllm=True,
         vllm_mode="colocate",
@@ -299,7 +293,7 @@ def test_vllm_ratio_matches_trl_on_every_row_and_mode(tmp_path, tiny_model_path,
     NaN, so clipping, masking and the NaN rule all act; a change in TRL's formula fails here."""
     monkeypatch.setattr(StandInEngine, "logp_noise", 0.15)
     monkeypatch.setattr(StandInEngine, "nan_every", 7)
-    args = make_args(
+    args = make_config(
         tmp_path, cls=GRPOConfig, use_vllm=True, vllm_mode="colocate", max_steps=len(RATIO_SETTINGS), beta=0.0
     )
     trainer = GRPOTrainer(tiny_model_path, [length_reward], args=args, train_dataset=dataset)
@@ -394,7 +388,7 @@ def test_vllm_kept_rows_ratio_equals_trl_full_batch(
     plain = GRPOTrainer(
         tiny_model_path,
         [length_reward],
-        args=make_args(tmp_path / "plain", cls=GRPOConfig, **common),
+        args=make_config(tmp_path / "plain", cls=GRPOConfig, **common),
         train_dataset=dataset,
     )
     original = plain._generate_and_score_completions
@@ -415,7 +409,7 @@ def test_vllm_kept_rows_ratio_equals_trl_full_batch(
     trainer = CostAwareGRPOTrainer(
         tiny_model_path,
         [length_reward],
-        args=make_args(tmp_path / "ca", cost_aware_kept_fraction=0.5, **common),
+        args=make_config(tmp_path / "ca", cost_aware_kept_fraction=0.5, **common),
         train_dataset=dataset,
     )
     original_loss = trainer._compute_loss

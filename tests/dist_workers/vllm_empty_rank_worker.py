@@ -127,17 +127,16 @@ def main(argv=None) -> int:
     assert trainer.use_vllm and trainer.vllm_importance_sampling_correction
     trainer.model.train()
     batches = iter(trainer.get_train_dataloader())
-    original_pack = trainer._pack_buffer
+    original_pack = trainer._packed_chunks
     empty_here = {"on": False}
 
     def pack(kept_batch, chunks, host, plan):
-        out, extras = original_pack(kept_batch, chunks, host, plan)
+        out = original_pack(kept_batch, chunks, host, plan)
         if not empty_here["on"]:
-            return out, extras
-        noop = trainer._noop_micro_batch(kept_batch)
-        return [noop] * len(out), []
+            return out
+        return [trainer._noop_micro_batch(kept_batch) for _ in out]
 
-    trainer._pack_buffer = pack
+    trainer._packed_chunks = pack
     results = {}
     cases = [(mode, case) for mode in args.modes.split(",") for case in ("empty", "both")]
     for mode, case in cases:
