@@ -404,14 +404,6 @@ def test_testbed_registry_and_recipes_construct():
     for name, bed in TESTBEDS.items():
         config = CostAwareGRPOConfig(output_dir=f"/tmp/unused-{name}", cost_aware=True, **bed.recipe)
         assert config.max_completion_length == bed.task.max_new_tokens
-    full = CostAwareGRPOConfig(
-        output_dir="/tmp/unused",
-        cost_aware=True,
-        cost_aware_layout="full",
-        cost_aware_kept_fraction=0.5,  # the layout needs a fixed fraction (the default "auto" is refused)
-        **LONG_RECIPE,
-    )
-    assert full.per_device_train_batch_size * full.steps_per_generation == rows  # the layout keeps the batch
 
 
 def test_diagnose_report_flags_each_property():

@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 
 @pytest.fixture(scope="module")
 def step_profile():
-    spec = importlib.util.spec_from_file_location("step_profile", os.path.join(ROOT, "benchmarks", "step_profile.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    import step_profile
+
+    return step_profile
 
 
 @pytest.mark.parametrize("name, millions", [("qwen2.5-0.5b", 494.0), ("qwen2.5-1.5b", 1543.7)])

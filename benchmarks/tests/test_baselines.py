@@ -2,15 +2,10 @@
 model (the zero-advantage filter must give exactly GRPO's update); and its analysis on synthetic curves."""
 
 import itertools
-import os
-import sys
 
 import pytest
 import torch
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-from baselines import (  # noqa: E402
+from baselines import (
     MaxVarianceTrainer,
     ZeroAdvantageFilterTrainer,
     group_advantages,
@@ -68,11 +63,9 @@ def parity_reward(completions, num_terms, **kwargs):
 
 
 def _trainer(cls, tmp_path, name, tiny_model_path, **overrides):
-    from trl_costaware import CostAwareGRPOConfig
-    from trl_costaware.embedded import arithmetic_dataset
+    from testing_utils import make_trainer
 
     settings = dict(
-        output_dir=str(tmp_path / name),
         per_device_train_batch_size=32,
         num_generations=8,
         max_completion_length=8,
@@ -80,16 +73,11 @@ def _trainer(cls, tmp_path, name, tiny_model_path, **overrides):
         learning_rate=1e-2,
         loss_type="dapo",
         beta=0.0,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        seed=0,
         disable_tqdm=True,
-        logging_steps=1,
     )
-    args = CostAwareGRPOConfig(**{**settings, **overrides})
-    return cls(tiny_model_path, [parity_reward], args=args, train_dataset=arithmetic_dataset(64, seed=0))
+    return make_trainer(
+        tiny_model_path, tmp_path / name, cls=cls, rewards=[parity_reward], **{**settings, **overrides}
+    )
 
 
 LAYOUTS = {

@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-
-import regime_analysis as ra  # noqa: E402
-import regime_matrix as rm  # noqa: E402
+import regime_analysis as ra
+import regime_matrix as rm
 
 
 def test_smoke_matrix_measures_properties_and_gives_grpo_compute(tmp_path, warm_model_path):
