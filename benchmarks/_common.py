@@ -48,7 +48,7 @@ ARMS: dict[str, dict] = {
     "uniform_0.5": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "uniform", **HALF, **NONE}},
     "pods_0.5": {"trainer": "max_variance", "settings": {"cost_aware_kept_fraction": 0.5}},
     "cost_aware_0.25": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.25, **NONE}},
-    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {**HALF, **NONE}},
+    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "cost_aware_proxy": "advantage"}},
     "cost_aware_0.75": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.75, **NONE}},
     "cost_aware_0.5_recenter": {
         "trainer": "cost_aware",

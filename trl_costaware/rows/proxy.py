@@ -1,4 +1,4 @@
-"""Loss-aware gradient-norm proxy: pure torch, no trainer in sight (docs/budget_and_proxy.md §1, docs/algorithm.md).
+"""Loss-aware gradient-norm proxy: pure torch, no trainer in sight (docs/budget_and_proxy.md, docs/algorithm.md).
 
 Row i of a GRPO generation batch enters TRL's policy loss (on-policy, ratio 1, β = 0) as
 
@@ -19,13 +19,9 @@ least 1 − π(y_it); confident tokens carry little gradient). The proxy is
 
     G_i = |A_i| · h_i,     h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i ,     u_it = 1 without log-probabilities,
 
-so without log-probabilities h_i = L_i^γ (token-sum types) or L_i^(γ−1) (row-mean types). γ = 1 is the default,
-from the measurements in BENCHMARKS.md §2: the cost factor's best γ moved with the model (0.4–0.9 on the old task
-after 40 steps, 1 after 10 steps, 1–1.9 on the testbed); for the length-only form γ = 1 was best or within
-0.03 of the best of {1/2, 3/4, 1} in every setting measured (with log-probabilities: best on the testbed, 0.1 behind
-γ = 1/2 on the old task), and for the row-mean types it gives h_i = 1, i.e. exactly |A_i| (never worse than the
-paper's proxy there). Rows with A_i = 0 or no loss
-tokens get G_i = 0: they carry no policy gradient. Nothing here returns NaN or infinity for finite-or-NaN input.
+so without log-probabilities h_i = L_i^γ (token-sum types) or L_i^(γ−1) (row-mean types). γ = 1/2 (token gradients
+in unrelated directions) is the default: RESULTS.md says where it was measured. Rows with A_i = 0 or no loss tokens
+get G_i = 0: they carry no policy gradient. Nothing here returns NaN or infinity for finite-or-NaN input.
 """
 
 from __future__ import annotations
@@ -40,8 +36,8 @@ from .sampling import _clean
 LOSS_TYPES = tuple(LOSS_NORMALISERS)
 ROW_MEAN_LOSSES = tuple(name for name, z in LOSS_NORMALISERS.items() if z.row_length)
 
-# Length exponent γ of the token-sum norm: ‖Σ_t ∇log π(y_t)‖ ≈ L^γ. See BENCHMARKS.md §2 for the measurement.
-DEFAULT_GAMMA = 1.0
+# Length exponent γ of the token-sum norm: ‖Σ_t ∇log π(y_t)‖ ≈ L^γ.
+DEFAULT_GAMMA = 0.5
 MAX_GAMMA = 2.0
 
 
