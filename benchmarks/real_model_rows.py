@@ -586,6 +586,43 @@ def report(res: dict) -> str:
             f"{t['truncated_fraction']:.2f}"
         )
     lines.append("")
+    t = res["models"].get("smollm2", {}).get("task")
+    if t:
+        hist = {}
+        for rate in t["pass_rates_sorted"]:
+            hist[rate] = hist.get(rate, 0) + 1
+        lines += [
+            "SmolLM2 per-prompt pass rates (rate: prompts): "
+            + ", ".join(f"{k:g}: {v}" for k, v in sorted(hist.items()))
+            + f"; all wrong {t['all_wrong_fraction']:.2f}, all right {t['all_right_fraction']:.2f}; completion "
+            f"tokens p95/p05 = {t['length_p95_over_p05']:.1f}, max/min = {t['length_max_over_min']:.0f}.",
+            "",
+            "Best proxy per column (smallest mean J/J*, oracle excluded) against the paper's |A|/√c: bootstrap "
+            "intervals of the mean J/J*, whether they are disjoint, and the batches where the best proxy's J is below "
+            "|A|/√c's (paired). Where the best is |A|/√c itself (for grpo, loss_aware γ=1 is |A| exactly), the "
+            "comparison is trivially 'no', 0 batches.",
+            "",
+            "| model | mode | loss | best proxy | its J/J* | |A|/√c J/J* | disjoint | batches better |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for name in names:
+            for mode in MODES:
+                for lt in LOSS_FAMILIES:
+                    cells = summary[name][mode][lt]
+                    best = min((p for p in PROXIES if p != "oracle"), key=lambda p: cells[f"J/J* {p}"]["mean"])
+                    b, a = cells[f"J/J* {best}"], cells["J/J* advantage"]
+                    disjoint = b["boot_hi"] < a["boot_lo"] or a["boot_hi"] < b["boot_lo"]
+                    per = [
+                        e["families"][lt].get(f"J/J|A| {best}")
+                        for e in res["models"][name]["batches"]
+                        if e["mode"] == mode
+                    ]
+                    better = sum(1 for x in per if x is not None and x < 1.0)
+                    lines.append(
+                        f"| {LABELS.get(name, name)} | {mode} | {lt} | {best} | {fmt(b)} | {fmt(a)} | "
+                        f"{'yes' if disjoint else 'no'} | {better}/{len(per)} |"
+                    )
+        lines.append("")
     for lt in LOSS_FAMILIES:
         lines += [
             f"### loss family {lt} ({'row mean, Z_i = L_i' if lt == 'grpo' else 'token sum, Z = batch tokens'})",
@@ -598,6 +635,21 @@ def report(res: dict) -> str:
             lines.append(f"| {metric} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
+
+
+NOTES_MARKER = "<!-- notes: kept by --report and reruns -->"
+
+
+def write_md(path: str, md: str) -> None:
+    """Write the generated report, keeping whatever follows `NOTES_MARKER` in the existing file."""
+    notes = ""
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            old = fh.read()
+        if NOTES_MARKER in old:
+            notes = "\n" + NOTES_MARKER + old.split(NOTES_MARKER, 1)[1]
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(md + "\n" + notes)
 
 
 def main(argv=None):
@@ -618,8 +670,7 @@ def main(argv=None):
         with open(base + ".json", encoding="utf-8") as fh:
             res = json.load(fh)
         md = report(res)
-        with open(base + ".md", "w", encoding="utf-8") as fh:
-            fh.write(md + "\n")
+        write_md(base + ".md", md)
         print(md)
         return
     for k, v in ENV.items():
@@ -644,8 +695,7 @@ def main(argv=None):
     with open(base + ".json", "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1)
     md = report(res)
-    with open(base + ".md", "w", encoding="utf-8") as fh:
-        fh.write(md + "\n")
+    write_md(base + ".md", md)
     print(md)
 
 
