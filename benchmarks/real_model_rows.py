@@ -692,8 +692,11 @@ def main(argv=None):
     res["seconds"] = time.perf_counter() - t0
     res["summary"] = summarise(res)
     os.makedirs(os.path.dirname(base), exist_ok=True)
+    for r in res["models"].values():  # per-row records: 6 significant digits, compact (the file holds every row)
+        for e in r["batches"]:
+            e["rows"] = {k: [float(f"{x:.6g}") for x in v] for k, v in e["rows"].items()}
     with open(base + ".json", "w", encoding="utf-8") as fh:
-        json.dump(res, fh, indent=1)
+        json.dump(res, fh, separators=(",", ":"))
     md = report(res)
     write_md(base + ".md", md)
     print(md)
