@@ -14,28 +14,17 @@ from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_rew
 from trl_costaware.embedded.model import tiny_model_path
 from trl_costaware.scripts.cli import main as cli_main
 from trl_costaware.tracking.callbacks import METRICS_FILE, RUN_FILE, MetricsRecorderCallback, attach_tracking
-from trl_costaware.tracking.compare import (
-    NO_CLAIM,
-    NOT_REACHED,
-    CompareError,
-    RunHistory,
-    aggregate,
-    canonical_key,
-    compare_runs,
-    first_crossing,
-    format_report,
-    load_runs,
-    main,
-    plot,
-    run_curve,
-    smooth,
-)
+from trl_costaware.tracking.compare import CompareError, RunHistory, compare_runs, format_report, load_runs, main, plot
+from trl_costaware.tracking.compare.curves import aggregate, first_crossing, run_curve, smooth
 from trl_costaware.tracking.compare.noise import (
+    NO_CLAIM,
     baseline_improvement,
     bootstrap_mean_interval,
     improvement,
     step_noise_sd,
 )
+from trl_costaware.tracking.compare.readers import canonical_key
+from trl_costaware.tracking.compare.report import NOT_REACHED
 
 
 @pytest.fixture(scope="module")
@@ -437,7 +426,7 @@ def synthetic_steps(name, steps, ys, cost_aware, gen_per_step, policy_per_step, 
 
 
 def test_compute_weights_calibrate_the_baseline_step_to_one():
-    from trl_costaware.tracking.compare import GPU_VERL, token_weights
+    from trl_costaware.tracking.compare.compute import GPU_VERL, token_weights
 
     w = token_weights(GPU_VERL, gen_per_step=500.0, policy_per_step=2000.0)
     assert w.compute(500.0, 2000.0) == pytest.approx(1.0)
@@ -446,7 +435,13 @@ def test_compute_weights_calibrate_the_baseline_step_to_one():
 
 
 def test_step_cost_and_break_even():
-    from trl_costaware.tracking.compare import GPU_GEN77, GPU_VERL, break_even_steps_ratio, cpu_split, step_cost
+    from trl_costaware.tracking.compare.compute import (
+        GPU_GEN77,
+        GPU_VERL,
+        break_even_steps_ratio,
+        cpu_split,
+        step_cost,
+    )
 
     assert step_cost(1.0, GPU_VERL) == pytest.approx(1.0)
     assert step_cost(0.3, GPU_VERL) == pytest.approx(0.55 + 0.45 * 0.3)
@@ -463,7 +458,7 @@ def test_step_cost_and_break_even():
 
 
 def test_parse_split_and_phase_cost():
-    from trl_costaware.tracking.compare import GPU_VERL, parse_split, phase_step_cost
+    from trl_costaware.tracking.compare.compute import GPU_VERL, parse_split, phase_step_cost
 
     assert parse_split("gpu") is GPU_VERL
     assert parse_split("cpu:0.55").update == pytest.approx(0.55) and parse_split("cpu:0.55").passes == 0
@@ -535,7 +530,7 @@ def test_png_has_a_compute_panel_at_the_split():
 
 
 def parse_split_cpu():
-    from trl_costaware.tracking.compare import cpu_split
+    from trl_costaware.tracking.compare.compute import cpu_split
 
     return cpu_split(0.55)
 
@@ -595,7 +590,7 @@ def test_compare_flags_a_record_with_duplicated_steps(tmp_path, capsys):
 
 def test_eval_and_train_rows_at_one_step_are_not_duplicates():
     """A clean record has a train, an eval and a summary row at the same step; W&B rows carry no `split`."""
-    from trl_costaware.tracking.compare import duplicated_steps
+    from trl_costaware.tracking.compare.readers import duplicated_steps
 
     rows = [
         {"step": 1, "split": "train", "reward": 0.1},

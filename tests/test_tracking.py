@@ -23,7 +23,7 @@ from trl_costaware.tracking.callbacks import (
     tracking_callbacks,
     validate_report_to,
 )
-from trl_costaware.tracking.compare import canonical_key
+from trl_costaware.tracking.compare.readers import canonical_key
 
 GROUP = "tracking-test-group"
 

@@ -558,13 +558,9 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         if self.model.training:
             self._token_weighted_metrics()  # packed micro-batches: means over the window's tokens (packed.py)
-        # Cumulative counters are the latest value (not a window mean) and go on train and eval rows alike, so
-        # eval curves can be drawn against policy tokens too. They go on the logged row only: transformers returns
-        # the dict it logs (`evaluate()`, `train()`'s metrics; a hyperparameter search sums every metric), which
-        # must hold what GRPOTrainer's holds. So TRL logs the caller's own dict (its callbacks, e.g. the printer that
-        # deletes `total_flos`, act on it as on GRPOTrainer's) and every `cost_aware/` key the call added (the
-        # counters, and the window means TRL adds when a window is still open at the end of training) is removed
-        # once the row is logged (`log_history` and the callbacks have read it by then).
+        # The cumulative counters go on train and eval rows alike (eval curves against policy tokens), on the logged
+        # row only: the caller's dict (which `evaluate()` and `train()` return) gets back exactly what it had once
+        # `log_history` and the callbacks have read the row.
         given = set(logs)
         counters = {f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items()}
         logs.update({k: v for k, v in counters.items() if k not in given})

@@ -19,102 +19,10 @@ numbers are given only when the baseline improved beyond noise (`noise`); otherw
 not improve beyond noise: no claim".
 """
 
-from .cli import build_parser, main
-from .compute import (
-    GPU_GEN77,
-    GPU_VERL,
-    SPLITS,
-    Split,
-    TokenWeights,
-    break_even_steps_ratio,
-    cpu_split,
-    measured_update_share,
-    parse_split,
-    phase_step_cost,
-    step_cost,
-    token_weights,
-)
-from .curves import Curve, aggregate, first_crossing, raw_series, run_curve, smooth, smoothing_window
-from .noise import NO_CLAIM, NoiseCheck, baseline_improvement
-from .plot import X_LABELS, plot
-from .readers import (
-    CompareError,
-    RunHistory,
-    canonical_key,
-    canonical_x,
-    discover,
-    duplicated_steps,
-    load_runs,
-    looks_like_wandb_path,
-    read_local_run,
-    read_wandb_online,
-)
-from .report import NOT_REACHED, fmt_num, fmt_pct, fmt_seconds, fmt_tokens, fmt_x, format_report
-from .targets import (
-    DEFAULT_FRACTIONS,
-    DEFAULT_METRIC,
-    DEFAULT_SMOOTH,
-    DEFAULT_SPLIT,
-    DEFAULT_X,
-    Result,
-    Target,
-    add_compute,
-    assign_labels,
-    compare_runs,
-)
+from .cli import main
+from .plot import plot
+from .readers import CompareError, RunHistory, load_runs
+from .report import format_report
+from .targets import Result, compare_runs
 
-__all__ = [
-    "DEFAULT_FRACTIONS",
-    "DEFAULT_METRIC",
-    "DEFAULT_SMOOTH",
-    "DEFAULT_SPLIT",
-    "DEFAULT_X",
-    "GPU_GEN77",
-    "GPU_VERL",
-    "SPLITS",
-    "Split",
-    "TokenWeights",
-    "add_compute",
-    "break_even_steps_ratio",
-    "cpu_split",
-    "measured_update_share",
-    "parse_split",
-    "phase_step_cost",
-    "step_cost",
-    "token_weights",
-    "NOT_REACHED",
-    "NO_CLAIM",
-    "X_LABELS",
-    "CompareError",
-    "Curve",
-    "NoiseCheck",
-    "Result",
-    "RunHistory",
-    "Target",
-    "aggregate",
-    "assign_labels",
-    "baseline_improvement",
-    "build_parser",
-    "canonical_key",
-    "canonical_x",
-    "compare_runs",
-    "discover",
-    "duplicated_steps",
-    "first_crossing",
-    "fmt_num",
-    "fmt_pct",
-    "fmt_seconds",
-    "fmt_tokens",
-    "fmt_x",
-    "format_report",
-    "load_runs",
-    "looks_like_wandb_path",
-    "main",
-    "plot",
-    "raw_series",
-    "read_local_run",
-    "read_wandb_online",
-    "run_curve",
-    "smooth",
-    "smoothing_window",
-]
+__all__ = ["CompareError", "Result", "RunHistory", "compare_runs", "format_report", "load_runs", "main", "plot"]
