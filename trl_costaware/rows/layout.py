@@ -68,17 +68,11 @@ def pack_sorted(lengths: Sequence[float], capacity: int) -> list[list[int]]:
 
 def spread_sorted(lengths: Sequence[float], count: int) -> list[list[int]]:
     """The indices of `lengths` in n = min(k, count) micro-batches of sizes as equal as possible: rows sorted longest
-    first (stable), cut into contiguous groups of sizes
-
-        [a, ..., a, a + 1, ..., a + 1]     (a = ⌊k/n⌋; the k mod n groups of a + 1 rows last),
-
-    so the smaller groups take the longest rows. For the layout where every micro-step position runs a forward anyway
-    (a no-op still runs one under DeepSpeed): with the same positions filled, fewer rows per forward and sorted groups
-    pad least. With k a multiple of `count` the sizes are the even layout's (a = k/count rows per micro-step), and
-    among all partitions into groups of a rows the sorted one has the smallest longest-row lengths, group by group:
-    the (j−1)·a + 1 longest rows fill at least j groups, so the j-th longest group maximum of any such partition is at
-    least the ((j−1)·a + 1)-th longest row, which is the j-th sorted group's maximum. The sizes depend on k and
-    `count` only (equal on every rank). Returns [] for no rows."""
+    first (stable), cut into contiguous groups of sizes [a, ..., a, a + 1, ..., a + 1] (a = ⌊k/n⌋; the k mod n
+    groups of a + 1 rows last). For a layout where every micro-step position runs a forward anyway (a no-op still
+    runs one under DeepSpeed): the same positions filled, fewer rows per forward, and among all partitions into groups
+    of a rows the sorted one pads least, group by group. The sizes depend on k and `count` only (equal on every
+    rank). Returns [] for no rows."""
     if count < 1:
         raise ValueError(f"count must be >= 1, got {count}")
     k = len(lengths)
