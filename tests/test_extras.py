@@ -60,7 +60,8 @@ def test_every_extra_named_in_an_error_exists_in_pyproject():
 
 
 def test_require_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    for name in ("matplotlib", "matplotlib.pyplot"):  # import -> ImportError, even after another test imported it
+        monkeypatch.setitem(sys.modules, name, None)
     with pytest.raises(ImportError, match=r"^the figure needs matplotlib: pip install 'trl-costaware\[plots\]', or "):
         require("matplotlib.pyplot", "the figure", "skip it")
     assert install_hint("wandb.sdk") == "pip install 'trl-costaware[tracking]'"
