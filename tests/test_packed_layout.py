@@ -388,6 +388,9 @@ def test_packed_layout_under_ddp_and_zero3_matches_the_even_layout(tiny_model_pa
         )
         results[name] = load_result(out)
     assert [r["zero_stage"] for r in results["zero3"]["records"]] == [3, 3]
+    assert [results[name]["records"][0]["layout"] for name in ("even", "ddp", "zero3")] == ["even", "packed", "packed"]
+    assert results["even"]["records"][0]["micro_batches"] == 4  # one kept row per micro-step
+    assert results["ddp"]["records"][0]["micro_batches"] == 2  # two micro-batches of 2 rows, two no-ops
     assert max_diff(results["even"]["state"], initial) >= 1e-3  # SGD moved the weights well beyond the tolerance
     assert results["ddp"]["records"][0]["kept"] == results["even"]["records"][0]["kept"] == [4, 4]
     assert max_diff(results["ddp"]["state"], results["even"]["state"]) <= ATOL

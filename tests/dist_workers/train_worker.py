@@ -196,11 +196,14 @@ def main(argv=None) -> int:
     rank = trainer.accelerator.process_index
     state = full_state_dict(trainer)
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
+    real_micro_batches = sum(not c.get("cost_aware_noop") for c in trainer._processed_buffer or [])
     summary = {
         "rank": rank,
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "zero_stage": _zero_stage(trainer),
+        "layout": trainer._layout,
+        "micro_batches": real_micro_batches,  # of the last generation batch
         "ds_stage_requested": ds_stage,
         "lora": args.lora,
         "log_history": trainer.state.log_history,
