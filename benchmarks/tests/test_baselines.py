@@ -194,7 +194,7 @@ def test_analysis_claims_nothing_when_grpo_does_not_improve():
 
 
 def test_compute_to_target_on_the_committed_runs():
-    """`token_efficiency.py --compute-to-target` (BENCHMARKS.md §7), from the committed per-seed rows: each arm's
+    """`token_efficiency.py --compute-to-target`, from the committed per-seed rows: each arm's
     break-even is 1 / its step cost under the split; GRPO on half the prompts halves every phase, so its compute ratio
     equals its policy-token ratio under every split; and no arm run with recentred weights from before the recentring
     fix (scaled by the bug) is used."""
