@@ -8,6 +8,7 @@ model's conversion and a short LoRA run of `CostAwareGRPOTrainer` on the times-t
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 
@@ -151,7 +152,7 @@ def test_convert_tiny_gguf_to_folder(tiny_gguf, tmp_path):
 
 def test_cache_is_reused(tiny_gguf, tmp_path, monkeypatch):
     """A second call returns the cached folder without converting again."""
-    from trl_costaware.embedded import smollm2 as mod
+    mod = importlib.import_module("trl_costaware.embedded.smollm2")  # the module (the package exports the function)
     from trl_costaware.embedded.shipped import file_sha256
 
     path, _ = tiny_gguf
@@ -168,7 +169,7 @@ def test_cache_is_reused(tiny_gguf, tmp_path, monkeypatch):
 
 def test_default_call_uses_cache_without_the_package(tmp_path, monkeypatch):
     """With the recorded SHA-256 matching, the default call returns the cache entry and never looks for the GGUF."""
-    from trl_costaware.embedded import smollm2 as mod
+    mod = importlib.import_module("trl_costaware.embedded.smollm2")  # the module (the package exports the function)
 
     entry = tmp_path / f"smollm2-135m-instruct-{mod.GGUF_SHA256[:16]}"
     entry.mkdir()
@@ -192,7 +193,7 @@ def test_missing_package_message(tmp_path, monkeypatch):
     """Without the wheel: a SmolLM2Error that gives the one install command."""
     import importlib.util
 
-    from trl_costaware.embedded import smollm2 as mod
+    mod = importlib.import_module("trl_costaware.embedded.smollm2")  # the module (the package exports the function)
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == mod.PACKAGE else real(name, *a))
@@ -207,7 +208,7 @@ def test_package_without_the_file(tmp_path, monkeypatch):
     import importlib.machinery
     import importlib.util
 
-    from trl_costaware.embedded import smollm2 as mod
+    mod = importlib.import_module("trl_costaware.embedded.smollm2")  # the module (the package exports the function)
 
     (tmp_path / "pkg").mkdir()
     spec = importlib.machinery.ModuleSpec(mod.PACKAGE, None, is_package=True)
@@ -222,7 +223,7 @@ def test_package_without_the_file(tmp_path, monkeypatch):
 def test_missing_gguf_package_message(tiny_gguf, tmp_path, monkeypatch):
     import importlib.util
 
-    from trl_costaware.embedded import smollm2 as mod
+    mod = importlib.import_module("trl_costaware.embedded.smollm2")  # the module (the package exports the function)
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else real(name, *a))
