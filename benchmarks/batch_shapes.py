@@ -6,8 +6,6 @@ steps_per_generation = 8), it trains, side by side in ONE process (or one launch
     grpo            GRPOTrainer's update (cost_aware=False)
     even_0.5        cost-aware, kept fraction 0.5, TRL's even split (cost_aware_layout="even": m/S rows per micro-step)
     packed_0.5      cost-aware, kept fraction 0.5, the packed layout (cost_aware_layout="packed")
-    even_auto       kept fraction "auto", even split
-    packed_auto     kept fraction "auto", packed layout
 
 each for `--steps` optimizer steps (one generation batch each) from the same start and seed, on the embedded long
 testbed (the SFT-warmed tiny model, counting prompts, completions of 2 to 96 tokens, its task reward, 8 rollouts per
@@ -56,10 +54,9 @@ OUT = os.path.join(RESULTS, "batch_shapes")
 BACKENDS = {"single": None, "ddp": "multi_gpu", "zero2": "zero2", "zero3": "zero3"}
 ARMS = {
     "grpo": {"cost_aware": False},
-    "even_0.5": {"cost_aware_kept_fraction": 0.5, "cost_aware_layout": "even"},
-    "packed_0.5": {"cost_aware_kept_fraction": 0.5, "cost_aware_layout": "packed"},
-    "even_auto": {"cost_aware_kept_fraction": "auto", "cost_aware_layout": "even"},
-    "packed_auto": {"cost_aware_kept_fraction": "auto", "cost_aware_layout": "packed"},
+    # "layout" is not a config field: the trainer's layout is forced after construction
+    "even_0.5": {"cost_aware_kept_fraction": 0.5, "layout": "even"},
+    "packed_0.5": {"cost_aware_kept_fraction": 0.5, "layout": "packed"},
 }
 SIZES = (1, 2, 16)
 MICRO_STEPS = 8
@@ -107,7 +104,7 @@ def _train_arm(arm, size, args, model_path, tokenizer):
         bf16=False,
         disable_tqdm=True,
         dataloader_num_workers=0,
-        **ARMS[arm],
+        **{k: v for k, v in ARMS[arm].items() if k != "layout"},
     )
     trainer = CostAwareGRPOTrainer(
         model=model_path,
@@ -116,6 +113,8 @@ def _train_arm(arm, size, args, model_path, tokenizer):
         train_dataset=counting_dataset(4096, seed=args.seed),
         processing_class=tokenizer,
     )
+    if "layout" in ARMS[arm]:
+        trainer._layout = ARMS[arm]["layout"]
     counts = {"grad_tokens": 0, "grad_forwards": 0, "train_s": 0.0, "generate_s": 0.0}
 
     def hook(module, args_, kwargs):

@@ -64,14 +64,9 @@ ARMS = {
     "grpo": {"cost_aware": False},
     "cost_aware": {"cost_aware": True, "cost_aware_weight_normalization": "none"},
     "cost_aware_recenter": {"cost_aware": True, "cost_aware_weight_normalization": "recenter"},
-    # Same generation batch and sample as `cost_aware`, laid out into full micro-batches: per_device_train_batch_size
-    # divided by the kept fraction and gradient_accumulation_steps multiplied by it (docs/trainer.md, "Micro-batch
-    # layout"), so each micro-batch holds --micro-batch kept rows and there are fewer of them.
-    "cost_aware_packed": {
-        "cost_aware": True,
-        "cost_aware_weight_normalization": "none",
-        "cost_aware_layout": "full",
-    },
+    # Same generation batch and sample as `cost_aware` (packed), under TRL's even split of the kept rows ("layout" is
+    # not a config field: the trainer's layout is forced after construction).
+    "cost_aware_even": {"cost_aware": True, "cost_aware_weight_normalization": "none", "layout": "even"},
 }
 
 
@@ -336,10 +331,12 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
         vllm_gpu_memory_utilization=opts.vllm_memory,
         cost_aware_kept_fraction=opts.kept_fraction,
         seed=opts.seed,
-        **ARMS[arm],
+        **{k: v for k, v in ARMS[arm].items() if k != "layout"},
     )
-    layout = (args.per_device_train_batch_size, args.gradient_accumulation_steps)  # after the full layout, if on
+    layout = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
     trainer = CostAwareGRPOTrainer(model_path, [hash_reward], args=args, train_dataset=data)
+    if "layout" in ARMS[arm]:
+        trainer._layout = ARMS[arm]["layout"]
     trainer.remove_callback(PrinterCallback)  # no dict per step on stdout (the tables are the output)
     profiler = PhaseProfiler(cuda)
     instrument(trainer, profiler)

@@ -52,13 +52,13 @@ def test_tiny_cpu_run_all_arms(step_profile, tmp_path, capsys):
     args = ["--config", "tiny", "--steps", "2", "--rollouts", "16", "--num-generations", "4", "--micro-batch", "8"]
     args += ["--max-completion-length", "24", "--prompt-length", "16", "--beta", "0.04", "--out", str(out)]
     result = step_profile.main([*args, "--device", "cpu", "--workdir", str(tmp_path / "work")])
-    assert [a["arm"] for a in result["arms"]] == ["grpo", "cost_aware", "cost_aware_recenter", "cost_aware_packed"]
-    grpo, cost_aware, _, packed = result["arms"]
-    # packed: the same sample in full micro-batches: half as many micro-batches, each of --micro-batch kept rows
+    assert [a["arm"] for a in result["arms"]] == ["grpo", "cost_aware", "cost_aware_recenter", "cost_aware_even"]
+    grpo, cost_aware, _, even = result["arms"]
     assert (grpo["micro_batches_per_step"], grpo["rows_per_micro_batch"]) == (2, 8)
     assert (cost_aware["micro_batches_per_step"], cost_aware["rows_per_micro_batch"]) == (2, 4)
-    assert (packed["micro_batches_per_step"], packed["rows_per_micro_batch"]) == (1, 8)
-    assert packed["totals"]["rows_kept"] == packed["totals"]["rows_generated"] / 2 == 16 * 2 / 2
+    # even: the same sample under TRL's split, the same kept tokens
+    assert even["totals"]["rows_kept"] == even["totals"]["rows_generated"] / 2 == 16 * 2 / 2
+    assert even["totals"]["policy_tokens"] == cost_aware["totals"]["policy_tokens"]
     for arm in result["arms"]:
         phases = arm["phases"]
         assert arm["steps_measured"] == [1]  # step 0 is the warm-up

@@ -67,7 +67,7 @@ def rollout_stats(testbed: str = "long", batches: int = 4, seed: int = 0) -> dic
     import torch
     from transformers import AutoTokenizer
 
-    from .sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution
+    from ..rows.sampling import j_ratio_achieved, j_ratio_ideal, sampling_distribution
     from .shipped import file_sha256
     from .testbed import get_testbed
     from .warmup import sample_completions

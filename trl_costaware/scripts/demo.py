@@ -240,16 +240,13 @@ def run_demo(
 
 
 def _default_settings() -> str:
-    """The defaults the Cost-Aware arm runs with, read from the config class (an unset kept fraction means
-    `config.DEFAULT_KEPT_FRACTION`)."""
+    """The defaults the Cost-Aware arm runs with, read from the config class."""
     import dataclasses
 
     from trl_costaware import CostAwareGRPOConfig
-    from trl_costaware.config import DEFAULT_KEPT_FRACTION
 
     d = {f.name: f.default for f in dataclasses.fields(CostAwareGRPOConfig)}
-    kept = d["cost_aware_kept_fraction"] or DEFAULT_KEPT_FRACTION
-    return f"kept fraction {kept!r}, weights {d['cost_aware_weight_normalization']!r}"
+    return f"kept fraction {d['cost_aware_kept_fraction']!r}, weights {d['cost_aware_weight_normalization']!r}"
 
 
 def _reach(summary: dict, value, fmt) -> str:
