@@ -10,9 +10,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testing_utils import recorded_draws
 from trl import GRPOTrainer
 
-from trl_costaware.rows import plan as plan_module
 from trl_costaware.rows.batching import KNOWN_KEYS, check_keys, select_rows, trim_to_longest
 from trl_costaware.rows.plan import LOSS_NORMALISERS, PlanSettings, RowStats, check_loss_type, plan_batch
 from trl_costaware.rows.sampling import stream_seed
@@ -180,15 +180,7 @@ def test_plan_is_deterministic_given_the_generator():
 
 def test_plan_calls_its_math_through_module_globals(monkeypatch):
     """tests/test_unbiased.py records the draw by patching `plan.draw_systematic`."""
-    seen = []
-    original = plan_module.draw_systematic
-
-    def recorded(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(plan_module, "draw_systematic", recorded)
+    seen = recorded_draws(monkeypatch)
     plan = plan_batch(make_rows([1.0, -1.0, 2.0, -2.0]), ht_settings(), gen())
     assert seen and seen[0] is plan.draw
 

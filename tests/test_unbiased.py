@@ -65,7 +65,7 @@ import torch
 from _mc import BATCHES, LOSSES, MICROS, RULES, batch_case, run_cell
 from _mc import flat_grad as _flat_grad
 from _mc import full_batch_grad as _full_batch_grad
-from testing_utils import LOSS_TYPES, force_layout, loss_settings, make_config, tiny_dataset
+from testing_utils import LOSS_TYPES, force_layout, loss_settings, make_config, recorded_draws, tiny_dataset
 from trl import GRPOTrainer
 
 from trl_costaware import CostAwareGRPOTrainer
@@ -194,21 +194,6 @@ def fixed_case(trainer, dataset, monkeypatch, target_scale: float = 1.0) -> Case
     torch.testing.assert_close(shares.sum(0), g_policy, rtol=1e-4, atol=1e-7)
     g = g_policy * target_scale
     return Case(trainer, raw, full, g, shares @ g / (g @ g), g_kl if perturbed else None)
-
-
-def recorded_draws(monkeypatch) -> list:
-    """The draws `plan.plan_batch` makes from now on (it calls `draw_systematic` through its module global), appended
-    to the returned list."""
-    seen = []
-    original = plan_module.draw_systematic
-
-    def recorded(*args, **kwargs):
-        out = original(*args, **kwargs)
-        seen.append(out)
-        return out
-
-    monkeypatch.setattr(plan_module, "draw_systematic", recorded)
-    return seen
 
 
 def projections(case: Case, draws: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from trl_costaware.rows import plan as plan_module
+
 # The suite's tiny run: 8 rows per rank (2 groups of 4), one micro-batch per optimizer step, 2 optimizer steps on CPU.
 TINY_RUN = dict(
     use_cpu=True,
@@ -148,3 +150,18 @@ def fixed_batch(batch: dict):
         return {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v)) for k, v in batch.items()}
 
     return generate_and_score
+
+
+def recorded_draws(monkeypatch) -> list:
+    """The draws `plan.plan_batch` makes from now on (it calls `draw_systematic` through its module global), appended
+    to the returned list."""
+    seen = []
+    original = plan_module.draw_systematic
+
+    def recorded(*args, **kwargs):
+        out = original(*args, **kwargs)
+        seen.append(out)
+        return out
+
+    monkeypatch.setattr(plan_module, "draw_systematic", recorded)
+    return seen

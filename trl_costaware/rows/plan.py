@@ -225,8 +225,9 @@ class Plan:
 
     `indices` (m,) the kept rows; `factors` (m,) float64, the multiplier of each kept row's advantage. A row rule of
     its own (a subclass's `_draw_kept_rows`) may give only these two: the plan-only corrections then do not apply and
-    the trainer counts the kept tokens itself. `kept_stats` the host prompt, completion and loss tokens of the kept
-    rows (by kept position); `filler` (m,) the kept slots outside the support (factor 0). `p` the sampling
+    the trainer counts the kept tokens itself. `rows` the batch's host statistics; `kept_stats` (derived from `rows`
+    and `indices`, so it follows any edit of `indices`) the prompt, completion and loss tokens of the kept rows by
+    kept position; `filler` (m,) the kept slots outside the support (factor 0). `p` the sampling
     distribution, `eligible` the support, `draw` the draw itself (its design in `draw.probabilities`).
     `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0), `global_filler` their
     filler flags. `kl_scale` the β multiplier
@@ -237,7 +238,7 @@ class Plan:
 
     indices: torch.Tensor
     factors: torch.Tensor
-    kept_stats: dict[str, torch.Tensor] | None = None
+    rows: RowStats | None = None
     filler: torch.Tensor | None = None
     m: int | None = None
     p: torch.Tensor | None = None
@@ -249,6 +250,11 @@ class Plan:
     micro_tokens_full: float | None = None
     totals: dict[str, float] | None = None
     metrics: dict[str, float] | None = None
+
+    @property
+    def kept_stats(self) -> dict[str, torch.Tensor] | None:
+        keys = ("prompt_tokens", "completion_tokens", "loss_tokens")
+        return None if self.rows is None else {k: self.rows[k][self.indices] for k in keys}
 
 
 def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, collective: Collective) -> int:
@@ -330,7 +336,7 @@ def plan_batch(
     return Plan(
         indices=draw.indices,
         factors=factors,
-        kept_stats={k: rows[k][draw.indices] for k in ("prompt_tokens", "completion_tokens", "loss_tokens")},
+        rows=rows,
         filler=filler,
         m=m,
         p=p,

@@ -20,7 +20,7 @@ least 1 − π(y_it); confident tokens carry little gradient). The proxy is
     G_i = |A_i| · h_i,     h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i ,     u_it = 1 without log-probabilities,
 
 so without log-probabilities h_i = L_i^γ (token-sum types) or L_i^(γ−1) (row-mean types). γ = 1/2 (token gradients
-in unrelated directions) is the default: RESULTS.md says where it was measured. Rows with A_i = 0 or no loss tokens
+in unrelated directions) is the default. Rows with A_i = 0 or no loss tokens
 get G_i = 0: they carry no policy gradient. Nothing here returns NaN or infinity for finite-or-NaN input.
 """
 
