@@ -266,6 +266,10 @@ def test_times_table_dataset():
         ("", None),
         ("-3!", -3.0),
         ("about 2.5", 2.5),
+        ("5,6", None),  # not a number with thousands commas: ambiguous, never 56
+        ("1,0245", None),
+        ("It is 56 是", None),  # a non-ASCII tail is text after the number
+        ("\\boxed{56}", 56.0),
     ],
 )
 def test_final_number(text, value):
@@ -286,6 +290,19 @@ def test_times_table_reward_conversational_and_plain():
     ]
     assert times_table_reward(completions, ["56"] * 5) == [1.0, 0.0, 1.0, 0.0, 0.0]
     assert times_table_reward(["56.0"], [56]) == [1.0]
+
+
+def test_make_times_table_reward_scores_a_cut_off_reply_zero():
+    from trl_costaware.embedded.times_table import make_times_table_reward
+
+    reward = make_times_table_reward([2, 0])
+    ids = [[7, 2], [7, 0], [7, 8], []]  # finished (EOS), finished (pad), cut off, empty
+    assert reward(["56"] * 4, ["56"] * 4, completion_ids=ids) == [1.0, 1.0, 0.0, 0.0]
+    assert reward(["54", "56"], ["56"] * 2, completion_ids=[[7, 2], [7, 2]]) == [0.0, 1.0]
+    with pytest.raises(TypeError, match="completion_ids"):
+        reward(["56"], ["56"])
+    with pytest.raises(ValueError, match="eos_token_ids"):
+        make_times_table_reward([])
 
 
 # ---------------------------------------------------------------- the real model (opt-in, slow, needs the wheel)

@@ -19,7 +19,7 @@ from .arithmetic import (
 )
 from .model import build_tiny_model, tiny_model_path
 from .smollm2 import smollm2
-from .times_table import times_table_dataset, times_table_reward
+from .times_table import make_times_table_reward, times_table_dataset, times_table_reward
 from .tokenizer import build_tokenizer
 from .warmup import evaluate_accuracy, sample_completions, warmed_up_model_path
 
@@ -32,6 +32,7 @@ __all__ = [
     "evaluate_accuracy",
     "extract_answer",
     "make_problem",
+    "make_times_table_reward",
     "sample_completions",
     "smollm2",
     "tiny_model_path",
