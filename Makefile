@@ -105,7 +105,7 @@ BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime \
-	bench-batch-shapes bench-profile profile bench-real-model-rows
+	bench-batch-shapes bench-profile profile bench-real-model-rows bench-real-model-learning
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -162,3 +162,11 @@ bench-quick:
 # The row choice on SmolLM2-135M-Instruct's rollouts beside the testbeds (RESULTS.md §5; about 25 min on one core).
 bench-real-model-rows: install-smollm2
 	$(BENCH_ENV) $(BIN)/python benchmarks/real_model_rows.py --batches 12
+
+# GRPO against the row stage on SmolLM2-135M-Instruct: learning curves, 4 arms x 3 seeds (RESULTS.md §6; about
+# 13 core-hours, resumable: rerun to continue). DRIVERS single-threaded drivers share the queue, one per core.
+DRIVERS ?= 2
+bench-real-model-learning: install-smollm2
+	for i in $$(seq $(DRIVERS)); do $(BENCH_ENV) $(BIN)/python benchmarks/real_model_learning.py --no-analyse & \
+		sleep 5; done; wait
+	$(BENCH_ENV) $(BIN)/python benchmarks/real_model_learning.py --analyse

@@ -1,0 +1,161 @@
+"""`benchmarks/real_model_learning.py` and its analysis: the harness on the tiny model (a run resumed from its
+checkpoint logs what an uninterrupted one logs, the driver skips finished runs, the lock file), and the analysis on
+recorded logs with known answers (costs to the target, ratios, Δ at equal compute, the generation side)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import real_model_learning as rml
+import real_model_learning_analysis as rmla
+
+
+def _smoke(tmp, name, *args):
+    out, res = str(tmp / name / "out"), str(tmp / name / "res")
+    rml.main(["--smoke", "--out", out, "--results", res, "--seeds", "0", "--no-analyse", *args])
+    return out, res
+
+
+def _run(res, arm="advantage_0.5", seed=0):
+    with open(os.path.join(res, "runs", f"{arm}__s{seed}.json"), encoding="utf-8") as fh:
+        return json.load(fh)
+
+
+def _trace(run):
+    steps = [(s["step"], s["policy_tokens"], s["generated_tokens"], s["rows_kept"]) for s in run["steps"]]
+    groups = [(g["step"], g["a"], g["b"], g["rewards"], g["tokens"]) for g in run["groups"]]
+    return steps, groups
+
+
+def test_smoke_resume_matches_an_uninterrupted_run_and_the_driver_skips_finished_runs(tmp_path):
+    # interrupted after step 1 (its checkpoint), then resumed to step 2
+    out, res = _smoke(tmp_path, "resumed", "--arms", "advantage_0.5", "--steps", "1")
+    first = _run(res)
+    assert [s["step"] for s in first["steps"]] == [1] and first["resumed_from_step"] == 0
+    os.remove(os.path.join(res, "runs", "advantage_0.5__s0.json"))  # as if the session ended before it was written
+    with open(os.path.join(out, "runs", "advantage_0.5__s0", "steps.jsonl"), "a", encoding="utf-8") as fh:
+        fh.write(json.dumps({"step": 2, "step_s": 0.0, "gen_s": 0.0}) + "\n")  # a step after the checkpoint: cut
+    _smoke(tmp_path, "resumed", "--arms", "advantage_0.5")
+    resumed = _run(res)
+    assert resumed["resumed_from_step"] == 1
+    assert [s["step"] for s in resumed["steps"]] == [1, 2]
+
+    _, res_whole = _smoke(tmp_path, "whole", "--arms", "advantage_0.5")
+    assert _trace(resumed) == _trace(_run(res_whole))
+    assert all("eval" in s for s in resumed["steps"])  # smoke: evaluated at every step
+    assert resumed["base_eval"]["greedy_per_problem"] and resumed["commit"]
+
+    # finished runs are skipped: nothing runs, the record is untouched
+    before = os.path.getmtime(os.path.join(res, "runs", "advantage_0.5__s0.json"))
+    assert rml.drive(["advantage_0.5"], [0], out, res, smoke=True) == []
+    assert os.path.getmtime(os.path.join(res, "runs", "advantage_0.5__s0.json")) == before
+
+
+def test_smoke_analysis_writes_its_files(tmp_path):
+    out, res = _smoke(tmp_path, "both", "--arms", "grpo,uniform_0.5")
+    summary = rmla.analyse(res)
+    for name in ("summary.json", "summary.md", "curves.png"):
+        assert os.path.getsize(os.path.join(res, name)) > 0
+    assert summary["arms"] == ["grpo", "uniform_0.5"]
+    # the GRPO arm trains on every rollout; the row stage on about half (at least one row per step)
+    grpo, uniform = (summary["end"][a]["policy_tokens_per_step"]["mean"] for a in ("grpo", "uniform_0.5"))
+    assert 0 < uniform < grpo
+
+
+def test_lock_is_exclusive_and_a_stale_one_is_taken_over(tmp_path):
+    with rml.claimed(str(tmp_path), "x") as mine:
+        assert mine
+        with rml.claimed(str(tmp_path), "x") as other:
+            assert not other
+    assert not os.path.exists(tmp_path / "locks" / "x.lock")
+    (tmp_path / "locks" / "y.lock").write_text("999999999")  # no such process
+    with rml.claimed(str(tmp_path), "y") as mine:
+        assert mine
+
+
+def test_command_line_rejects_unknown_arms_and_bad_seeds(tmp_path, capsys):
+    with pytest.raises(SystemExit, match="--arms"):
+        rml.main(["--arms", "grpo,nope", "--out", str(tmp_path), "--results", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--seeds"):
+        rml.main(["--seeds", "a", "--out", str(tmp_path), "--results", str(tmp_path)])
+    with pytest.raises(SystemExit) as exc:
+        rml.main(["--help"])
+    assert exc.value.code == 0 and "--smoke" in capsys.readouterr().out
+
+
+# ====================================================================================================== analysis
+def _record(arm, seed, scores, gen_per_step, policy_per_step, step_s, every=5, groups=()):
+    """A run record with evaluations at every `every` steps (scores[0] is the start)."""
+    steps = []
+    for k in range(1, (len(scores) - 1) * every + 1):
+        row = {"step": k, "step_s": step_s, "gen_s": step_s / 2}
+        row.update(generated_tokens=gen_per_step * k, policy_tokens=policy_per_step * k, rows_kept=0, rows_generated=0)
+        if k % every == 0:
+            row["eval"] = {"score": scores[k // every], "greedy": 0.9, "eval_s": 1.0}
+        steps.append(row)
+    return {
+        "arm": arm,
+        "seed": seed,
+        "commit": "abc",
+        "base_eval": {"score": scores[0], "greedy": 0.8},
+        "steps": steps,
+        "groups": list(groups),
+    }
+
+
+def test_costs_to_the_target_and_ratios_on_a_recorded_log(tmp_path):
+    runs = {}
+    for seed in range(3):
+        # GRPO: 0.1 -> 0.5 -> 0.9 at steps 5, 10; the arm learns half as fast per step at half the policy tokens
+        runs[("grpo", seed)] = _record("grpo", seed, [0.1, 0.5, 0.9], 1000, 2000, 10.0)
+        runs[("arm", seed)] = _record("arm", seed, [0.1, 0.3, 0.5, 0.7, 0.9], 1000, 1000, 6.0)
+    s = rmla.summarise(runs)
+    assert s["start"] == pytest.approx(0.1) and s["grpo_end"] == pytest.approx(0.9)
+    t = s["targets"]["0.8"]
+    assert t["target"] == pytest.approx(0.74)
+    # GRPO reaches 0.74 at step 5 + 5 * 0.24 / 0.4 = 8; the arm at 15 + 5 * 0.04 / 0.2 = 16
+    assert t["arms"]["grpo"]["step"]["by_seed"][0] == pytest.approx(8.0)
+    assert t["arms"]["arm"]["step"]["by_seed"][0] == pytest.approx(16.0)
+    assert t["arms"]["arm"]["step"]["ratio"]["mean"] == pytest.approx(2.0)
+    assert t["arms"]["arm"]["policy_tokens"]["ratio"]["mean"] == pytest.approx(1.0)
+    assert t["arms"]["arm"]["seconds"]["ratio"]["mean"] == pytest.approx(16 * 6.0 / (8 * 10.0))
+    # priced (generation 55%, passes + update 45%, calibrated on GRPO's step): the arm's step costs 0.55 + 0.225
+    assert t["arms"]["arm"]["compute_gpu"]["ratio"]["mean"] == pytest.approx(2 * 0.775)
+    iv = t["arms"]["arm"]["step"]["ratio"]
+    assert iv["lo"] == pytest.approx(2.0) and iv["hi"] == pytest.approx(2.0)
+    # equal steps: both end at 0.9; equal compute: the arm's 20 steps cost 15.5 GRPO steps > GRPO's 10: outside
+    end = s["end"]["arm"]
+    assert end["delta_equal_steps"]["mean"] == pytest.approx(0.0)
+    assert end["delta_equal_compute_gpu"]["mean"] is None
+    assert end["update_share"] == pytest.approx(0.5)
+    # a run that never reaches the target is listed, not given a cost
+    runs[("slow", 0)] = _record("slow", 0, [0.1, 0.2, 0.3], 1000, 1000, 6.0)
+    s = rmla.summarise(runs)
+    assert s["targets"]["0.8"]["arms"]["slow"]["step"]["not_reached"] == [0]
+    assert "slow" in rmla.report(s)
+
+
+def test_generation_side_shares_and_predictability():
+    def group(step, a, rewards, tokens=10):
+        return {"step": step, "a": a, "b": 2, "rewards": rewards, "tokens": [tokens] * len(rewards), "cut_off": [0] * 4}
+
+    groups = [
+        group(1, 2, [1, 1, 1, 1], 5),  # no gradient, solved
+        group(1, 3, [0, 1, 0, 1]),
+        group(6, 2, [1, 1, 1, 1], 5),  # again no gradient: predicted from its history
+        group(6, 3, [1, 0, 0, 0]),  # has gradient: predicted from a mixed history
+    ]
+    g = rmla.generation_side([{"groups": groups}])
+    assert g["no_gradient_share"] == pytest.approx(0.5)
+    assert g["no_gradient_token_share"] == pytest.approx(40 / 120)
+    assert [w["steps"] for w in g["windows"]] == ["1-5", "6-10"]
+    assert g["predicted_groups"] == 2 and g["auc_earlier_share"] == 1.0 and g["auc_bernoulli"] == 1.0
+    assert g["at_half_recall_bernoulli"] == {"precision": 1.0, "recall": 1.0, "skipped_share": 0.5}
+
+
+def test_auc_counts_ties_as_half():
+    assert rmla.auc([1, 1], [1, 0]) == 0.5
+    assert rmla.auc([0.2, 0.9, 0.5], [0, 1, 0]) == 1.0
+    assert rmla.auc([1.0], [1]) is None
