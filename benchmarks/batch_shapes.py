@@ -4,8 +4,10 @@ For per_device_train_batch_size B in {1, 2, 16} with 8 micro-steps per optimizer
 steps_per_generation = 8), it trains, side by side in ONE process (or one launch of 2 processes), the arms
 
     grpo            GRPOTrainer's update (cost_aware=False)
-    even_0.5        cost-aware, kept fraction 0.5, TRL's even split (cost_aware_layout="even": m/S rows per micro-step)
-    packed_0.5      cost-aware, kept fraction 0.5, the packed layout (cost_aware_layout="packed")
+    even_0.5        cost-aware, kept fraction 0.5, TRL's even split (m/S rows per micro-step)
+    packed_0.5      cost-aware, kept fraction 0.5, the packed layout
+
+(the layout is the trainer's choice, not a config field: the script forces it on each cost-aware arm's trainer)
 
 each for `--steps` optimizer steps (one generation batch each) from the same start and seed, on the embedded long
 testbed (the SFT-warmed tiny model, counting prompts, completions of 2 to 96 tokens, its task reward, 8 rollouts per
@@ -33,6 +35,7 @@ with `--num_processes 2 --mixed_precision no`). One command per backend; results
 `benchmarks/results/batch_shapes.json` and the table into `benchmarks/results/batch_shapes.md`:
 
     python benchmarks/batch_shapes.py --backend single   # and ddp, zero2, zero3
+    python benchmarks/batch_shapes.py --smoke --out /tmp/bs   # the machinery only: B = 2, 1 step (its test)
 
 CPU, float32, a shared machine: wall times are noisy (compare arms within one backend's run only).
 """
@@ -71,10 +74,16 @@ def parse_args(argv=None):
     p.add_argument("--arms", default=",".join(ARMS))
     p.add_argument("--num-generations", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=OUT, help="results prefix (.json, .md)")
+    p.add_argument("--out", default=None, help="results prefix (.json, .md; default benchmarks/results/batch_shapes)")
+    p.add_argument("--smoke", action="store_true", help="the machinery only: B = 2, 1 step, 4 rollouts per prompt")
     p.add_argument("--worker", action="store_true", help="(internal) train the arms in this process")
     p.add_argument("--worker-out", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.steps, args.num_generations = "2", 1, 4
+        args.out = args.out or os.path.join(RESULTS, "tmp", "batch_shapes_smoke")  # never the committed results
+    args.out = args.out or OUT
+    return args
 
 
 # ---------------------------------------------------------------------------------------------------- worker

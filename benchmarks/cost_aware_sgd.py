@@ -13,8 +13,9 @@ costs c_i ~ U[1, 10] independent of G_i. F* is computed by iteratively reweighte
 Target. ε = 0.01 relative suboptimality: (F(x) − F*) / (F(x_0) − F*) ≤ ε with x_0 = 0 (the last iterate; no
 averaging). Total cost = Σ c_i over the sampled components up to the check that meets the target.
 
-SGD. Sample i ~ p (trl_costaware.rows.sampling.draw_multinomial), step x ← x − η ∇f_i(x) / (n p_i). Samplers (all built
-with trl_costaware.rows.sampling): uniform, ∝ 1/c (ablation), ∝ 1/√c, ∝ G, ∝ G/√c (the method, p*).
+SGD. Sample i ~ p (i.i.d., `draw_multinomial` below), step x ← x − η ∇f_i(x) / (n p_i). Samplers: uniform, ∝ 1/c
+(ablation), ∝ 1/√c, ∝ G, ∝ G/√c (the method, p*), normalised by trl_costaware.rows.sampling.sampling_distribution
+(the package's proxies give uniform and G/√c; the ablations 1/c and 1/√c are built here).
 
 Step size, fair to every sampler. The theory's constant step for Lipschitz SGD is η = ε_abs / S(p) with
 S(p) = (1/n²) Σ_i G_i²/p_i = E‖g‖² (the second moment of the stochastic gradient) and ε_abs = ε (F(x₀) − F*) the
@@ -35,6 +36,7 @@ table on stdout.
 
     python benchmarks/cost_aware_sgd.py --seeds 20 --out benchmarks/results
     python benchmarks/cost_aware_sgd.py --quick
+    python benchmarks/cost_aware_sgd.py --smoke --out /tmp/sgd   # the machinery only, seconds (its test)
 """
 
 from __future__ import annotations
@@ -139,10 +141,10 @@ def sampler_distribution(name: str, G: np.ndarray, c: np.ndarray) -> np.ndarray:
     g_t, c_t = torch.as_tensor(G, dtype=torch.float64), torch.as_tensor(c, dtype=torch.float64)
     if name == "uniform":
         scores = sampling.sampling_scores(g_t, c_t, proxy="uniform")
-    elif name == "inverse_cost":
-        scores = sampling.sampling_scores(g_t, c_t, proxy="inverse_cost")
+    elif name == "inverse_cost":  # ablations the package no longer ships (docs/algorithm.md §1: 1/c is no gain)
+        scores = 1.0 / c_t.clamp(min=sampling.MIN_COST)
     elif name == "inverse_sqrt_cost":
-        scores = sampling.sampling_scores(g_t, c_t, proxy="inverse_sqrt_cost")
+        scores = 1.0 / c_t.clamp(min=sampling.MIN_COST).sqrt()
     elif name == "gradient":
         scores = g_t
     elif name == "gradient_over_sqrt_cost":
@@ -150,6 +152,14 @@ def sampler_distribution(name: str, G: np.ndarray, c: np.ndarray) -> np.ndarray:
     else:
         raise ValueError(f"unknown sampler {name!r}")
     return sampling.sampling_distribution(scores).numpy()
+
+
+def draw_multinomial(p: torch.Tensor, m: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """m i.i.d. draws from p (with replacement) and their Hansen–Hurwitz weights w = 1/(n p_i):
+    E[(1/m) Σ_k w_{i_k} L_{i_k}] = (1/n) Σ_i L_i. (The trainer draws without replacement; SGD draws one at a time.)"""
+    p = p.double()
+    idx = torch.multinomial(p, m, replacement=True, generator=generator)
+    return idx, 1.0 / (p.numel() * p[idx])
 
 
 def second_moment(G: np.ndarray, p: np.ndarray, n: int) -> float:
@@ -214,7 +224,7 @@ def simulate(
     """Constant-step SGD for every run until its replicate-mean relative error has met the target and it has spent
     at least `run_until`, or it has spent `cost_cap` (mean over its replicates).
 
-    Each chain draws its indices with its own torch.Generator via trl_costaware.rows.sampling.draw_multinomial, whose
+    Each chain draws its indices with its own torch.Generator via `draw_multinomial`, whose
     Hansen–Hurwitz weight w = 1/(n p_i) is exactly the SGD importance factor: x ← x − η w G_i sign(u_iᵀx − b_i) u_i.
     """
     R = replicates
@@ -244,9 +254,9 @@ def simulate(
         idx = np.empty((chunk, chains.size), dtype=np.int64)
         wts = np.empty((chunk, chains.size))
         for j, ch in enumerate(chains):
-            draw = sampling.draw_multinomial(p_t[ch // R], chunk, gens[ch])
-            idx[:, j] = draw.indices.numpy()
-            wts[:, j] = draw.weights.numpy()
+            indices, weights = draw_multinomial(p_t[ch // R], chunk, gens[ch])
+            idx[:, j] = indices.numpy()
+            wts[:, j] = weights.numpy()
         pa = prob_of[chains][None, :]
         Uc = U_all[pa, idx]  # (chunk, chains, d)
         UGc = UG_all[pa, idx]
@@ -506,6 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, default=20, help="evaluation seeds (problem instance + SGD draws)")
     ap.add_argument("--tune-seeds", type=int, default=6, help="tuning instances for κ (seeds 1000, 1001, ...)")
     ap.add_argument("--quick", action="store_true", help="few seeds and a coarse κ grid (for make bench-quick)")
+    ap.add_argument("--smoke", action="store_true", help="the machinery only, in seconds: n = 200, ε = 0.1, 1 seed")
     ap.add_argument(
         "--out",
         type=Path,
@@ -517,10 +528,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--replicates", type=int, default=4, help="SGD chains per seed (the error is their mean)")
     ap.add_argument("--no-equal-g", action="store_true", help="skip the equal-G_i control family")
     args = ap.parse_args(argv)
-    if args.out is None:  # quick runs never overwrite the committed full results
-        args.out = Path("benchmarks/results/tmp" if args.quick else "benchmarks/results")
+    if args.out is None:  # quick and smoke runs never overwrite the committed full results
+        args.out = Path("benchmarks/results/tmp" if args.quick or args.smoke else "benchmarks/results")
 
-    if args.quick:
+    problem = {}
+    if args.smoke:
+        seeds, tune_seeds, replicates, kappas = [0], [1000], 1, QUICK_KAPPAS[:2]
+        problem, args.target = {"n": 200, "d": 5}, max(args.target, 0.1)
+    elif args.quick:
         seeds, tune_seeds, replicates = list(range(3)), [1000, 1001], 2
         kappas = QUICK_KAPPAS
     else:
@@ -535,7 +550,14 @@ def main(argv: list[str] | None = None) -> dict:
     results = []
     for label, g_sigma, samplers in families:
         fam = evaluate_family(
-            label, seeds, tune_seeds, kappas, args.target, {"g_sigma": g_sigma}, samplers, replicates=replicates
+            label,
+            seeds,
+            tune_seeds,
+            kappas,
+            args.target,
+            {"g_sigma": g_sigma, **problem},
+            samplers,
+            replicates=replicates,
         )
         fam["target"] = args.target
         results.append(fam)
@@ -555,6 +577,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "cost_aware_sgd",
         "command": "python benchmarks/cost_aware_sgd.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quick": args.quick,
+        "smoke": args.smoke,
         "target": args.target,
         "equal_g_theory_limit": equal_g_limit,
         "families": results,

@@ -1,6 +1,7 @@
 """Benchmark 2: how well a gradient proxy predicts the true per-row gradient norm G_i, per loss type.
 
     python benchmarks/proxy_fidelity.py --quick     # dapo only, 10 GRPO steps, 1 generation batch of 256 rows
+    python benchmarks/proxy_fidelity.py --smoke --task testbed --results /tmp/pf   # the machinery only (its test)
     python benchmarks/proxy_fidelity.py             # dapo, grpo, dr_grpo: 40 GRPO steps each, 3 batches each
     python benchmarks/proxy_fidelity.py --task testbed --mid-steps 25   # the same on the learning testbed
     python benchmarks/proxy_fidelity.py --task long --mid-steps 20 --loss-types dapo grpo   # on the long testbed
@@ -59,6 +60,10 @@ OLD_TASK_SETTINGS = dict(
     bf16=False,
     disable_tqdm=True,
     warmup_steps=0,
+)
+# --smoke: 4 prompts x 4 rollouts in one micro-batch (the machinery only).
+SMOKE_SETTINGS = dict(
+    per_device_train_batch_size=16, num_generations=4, steps_per_generation=1, gradient_accumulation_steps=1
 )
 GAMMAS = (0.5, 0.75, 1.0)
 TASKS = ("old", "testbed", "long")
@@ -164,6 +169,8 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
 
     torch.manual_seed(args.seed)
     settings, data_kwargs, model_path = task_setup(args.task)
+    if args.smoke:
+        settings = {**settings, **SMOKE_SETTINGS}
     task = get_task("counting" if args.task == "long" else "arithmetic")
     s = {**settings, "loss_type": loss_type}
     prompts_per_step = s["per_device_train_batch_size"] // s["num_generations"]
@@ -255,10 +262,10 @@ def measure_loss_type(args, loss_type: str) -> tuple[list[dict], list[dict]]:
     return batches, rows
 
 
-def write_outputs(res: dict, tag: str) -> str:
+def write_outputs(res: dict, tag: str, results: str = common.RESULTS) -> str:
     import numpy as np
 
-    base = os.path.join(common.RESULTS, f"proxy_fidelity_{tag}")
+    base = os.path.join(results, f"proxy_fidelity_{tag}")
     with open(base + ".csv", "w", newline="", encoding="utf-8") as fh:
         w = csv.DictWriter(fh, fieldnames=list(res["rows"][0]))
         w.writeheader()
@@ -320,8 +327,8 @@ def write_outputs(res: dict, tag: str) -> str:
                 f"{v['spearman_informative']:.3f} | {v['j_over_j_opt']:.3f} | {v['j_over_j_opt_alpha0.1']:.3f} | "
                 f"{v['j_over_j_uniform']:.3f} |"
             )
-    res["budget"] = budget_fidelity(res)
-    lines += budget_lines(res["budget"])
+    if res.get("budget"):  # a replot of results measured with the removed adaptive budget ("auto", commit aa0a130)
+        lines += budget_lines(res["budget"])
     with open(base + ".json", "w", encoding="utf-8") as fh:
         json.dump({k: v for k, v in res.items() if k != "rows"}, fh, indent=1)
     md = "\n".join(lines)
@@ -330,43 +337,7 @@ def write_outputs(res: dict, tag: str) -> str:
     return md
 
 
-BUDGET_DELTAS = (0.25, 0.5, 1.0)
-
-
-def budget_fidelity(res: dict) -> list[dict]:
-    """Per loss type and batch: the m the adaptive budget keeps (`budget.smallest_budget`, δ in `BUDGET_DELTAS`,
-    p ∝ proxy/√c with α = 0.1) from the proxy's G, the inflation it predicts, and the inflation the true G_i give
-    for the same p and m; and the same two inflations for the fixed fraction 0.5."""
-    import torch
-
-    from trl_costaware.kept_count.budget import smallest_budget, variance_inflation
-    from trl_costaware.rows.proxy import DEFAULT_GAMMA, length_exponent
-    from trl_costaware.rows.sampling import sampling_distribution
-
-    out = []
-    for lt in res["loss_types"]:
-        for b in sorted({r["batch"] for r in res["rows"] if r["loss_type"] == lt}):
-            rr = [r for r in res["rows"] if r["loss_type"] == lt and r["batch"] == b]
-            a, g, c, L = (
-                torch.tensor([float(r[k]) for r in rr], dtype=torch.float64)
-                for k in ("abs_advantage", "grad_norm", "cost", "completion_tokens")
-            )
-            e = length_exponent(lt, DEFAULT_GAMMA)
-            for name, proxy in (("advantage", a), ("loss_aware", a * torch.where(L > 0, L, 1.0) ** e * (L > 0))):
-                p = sampling_distribution(proxy / c.sqrt(), 0.1)
-                n = len(a)
-                row = {"loss_type": lt, "batch": b, "proxy": name, "rows": n}
-                for delta in BUDGET_DELTAS:
-                    m, predicted = smallest_budget(proxy, p, delta)
-                    row[f"delta={delta:g}"] = {"m": m, "predicted": predicted, "true": variance_inflation(g, p, m)}
-                half = n // 2
-                row["fixed 0.5"] = {
-                    "m": half,
-                    "predicted": variance_inflation(proxy, p, half),
-                    "true": variance_inflation(g, p, half),
-                }
-                out.append(row)
-    return out
+BUDGET_DELTAS = (0.25, 0.5, 1.0)  # of the adaptive budget (kept count "auto", removed in aa0a130): replots only
 
 
 def budget_lines(rows: list[dict]) -> list[str]:
@@ -396,6 +367,7 @@ def budget_lines(rows: list[dict]) -> list[str]:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="dapo only, 10 GRPO steps, one generation batch")
+    p.add_argument("--smoke", action="store_true", help="the machinery only, seconds: 1 step, 1 batch of 4 x 4 rows")
     p.add_argument("--loss-types", nargs="+", default=None, help="default dapo grpo dr_grpo (quick: dapo)")
     p.add_argument("--mid-steps", type=int, default=None, help="GRPO steps before measuring (default 40; quick 10)")
     p.add_argument("--batches", type=int, default=None, help="generation batches measured (default 3; quick 1)")
@@ -405,25 +377,28 @@ def main(argv=None):
     )
     p.add_argument("--tag", default=None, help="results file suffix (default: quick or full)")
     p.add_argument("--out", default=None)
+    p.add_argument("--results", default=common.RESULTS, help="folder of the result files (default benchmarks/results)")
     p.add_argument("--replot", action="store_true", help="rewrite the .md/.png from the saved .json/.csv")
     args = p.parse_args(argv)
-    tag = args.tag or ("quick" if args.quick else "full") + ("" if args.task == "old" else f"_{args.task}")
+    kind = "smoke" if args.smoke else "quick" if args.quick else "full"
+    tag = args.tag or kind + ("" if args.task == "old" else f"_{args.task}")
     if args.replot:
-        base = os.path.join(common.RESULTS, f"proxy_fidelity_{tag}")
+        base = os.path.join(args.results, f"proxy_fidelity_{tag}")
         with open(base + ".json", encoding="utf-8") as fh:
             res = json.load(fh)
         with open(base + ".csv", encoding="utf-8") as fh:
             text = ("loss_type", "token_u")
             res["rows"] = [{k: (v if k in text else float(v)) for k, v in r.items()} for r in csv.DictReader(fh)]
-        print(write_outputs(res, tag))
+        print(write_outputs(res, tag, args.results))
         return
-    args.loss_types = args.loss_types or (["dapo"] if args.quick else ["dapo", "grpo", "dr_grpo"])
-    args.mid_steps = args.mid_steps if args.mid_steps is not None else (10 if args.quick else 40)
-    args.batches = args.batches or (1 if args.quick else 3)
+    short = args.quick or args.smoke
+    args.loss_types = args.loss_types or (["dapo"] if short else ["dapo", "grpo", "dr_grpo"])
+    args.mid_steps = args.mid_steps if args.mid_steps is not None else (1 if args.smoke else 10 if short else 40)
+    args.batches = args.batches or (1 if short else 3)
     args.out = args.out or os.path.join(common.ROOT, "outputs", "bench", f"proxy_fidelity_{tag}")
     for k, v in common.ENV.items():
         os.environ.setdefault(k, v)
-    os.makedirs(common.RESULTS, exist_ok=True)
+    os.makedirs(args.results, exist_ok=True)
     batches, rows = [], []
     for lt in args.loss_types:
         b, r = measure_loss_type(args, lt)
@@ -438,7 +413,7 @@ def main(argv=None):
         "batches": batches,
         "rows": rows,
     }
-    print(write_outputs(res, tag))
+    print(write_outputs(res, tag, args.results))
 
 
 if __name__ == "__main__":

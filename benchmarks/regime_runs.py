@@ -18,6 +18,8 @@ CELLS = {
     for tb in ("default", "long")
     for suffix, kind in (("", "as_is"), ("_late", "late"), ("_variance", "variance"), ("_epochs", "epochs"))
 }
+# Logged by the regime matrix's GRPO runs (`regime_matrix.with_zero_variance_share`; the trainer logged it itself
+# until the prompt stage was removed, so older run records carry it under the same name).
 ZERO_SHARE_KEY = "cost_aware/zero_variance_token_share"
 
 
@@ -36,8 +38,8 @@ def informative_shares(output_dir: str) -> list[float]:
 
 
 def zero_variance_shares(output_dir: str) -> list[float]:
-    """Per training step: the share of generated tokens in groups whose rewards are all equal (the trainer's
-    ``cost_aware/zero_variance_token_share``), from the run's metrics record."""
+    """Per training step: the share of generated tokens in groups whose rewards are all equal (`ZERO_SHARE_KEY`),
+    from the run's metrics record."""
     return [r[ZERO_SHARE_KEY] for r in read_metrics(output_dir) if ZERO_SHARE_KEY in r]
 
 

@@ -18,6 +18,7 @@ J_K/J_all = (Σ_K G√c)²/(Σ G√c)². B = 2.5 × the mean tuning cost to ε a
 
     python benchmarks/subset_selection.py --seeds 20 --out benchmarks/results
     python benchmarks/subset_selection.py --quick
+    python benchmarks/subset_selection.py --smoke --out /tmp/subset   # the machinery only, seconds (its test)
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tune-seeds", type=int, default=6)
     ap.add_argument("--replicates", type=int, default=4, help="SGD chains per seed and Γ (the error is their mean)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="the machinery only, in seconds: n = 200, ε = 0.1, 1 seed")
     ap.add_argument(
         "--out",
         type=Path,
@@ -146,21 +148,25 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--g-sigma", type=float, default=0.7)
     ap.add_argument("--no-noise-free", action="store_true", help="skip the noise-free (consistent data) family")
     args = ap.parse_args(argv)
-    if args.out is None:  # quick runs never overwrite the committed full results
-        args.out = Path("benchmarks/results/tmp" if args.quick else "benchmarks/results")
+    if args.out is None:  # quick and smoke runs never overwrite the committed full results
+        args.out = Path("benchmarks/results/tmp" if args.quick or args.smoke else "benchmarks/results")
 
-    if args.quick:
+    problem = {}
+    if args.smoke:
+        seeds, tune_seeds, replicates, fractions = [0], [1000], 1, QUICK_GAMMA_FRACTIONS
+        kappas, problem, args.target = QUICK_KAPPAS[:2], {"n": 200, "d": 5}, max(args.target, 0.1)
+    elif args.quick:
         seeds, tune_seeds, replicates, fractions = list(range(3)), [1000, 1001], 2, QUICK_GAMMA_FRACTIONS
         kappas = QUICK_KAPPAS
     else:
         seeds, tune_seeds = list(range(args.seeds)), list(range(1000, 1000 + args.tune_seeds))
         replicates, fractions = args.replicates, GAMMA_FRACTIONS
         kappas = KAPPAS
-    families = [("noisy data (Laplace noise 0.3)", {"g_sigma": args.g_sigma, "noise": 0.3})]
+    families = [("noisy data (Laplace noise 0.3)", {"g_sigma": args.g_sigma, "noise": 0.3, **problem})]
     if not args.no_noise_free:
         # Consistent data: every subset that spans R^d has the same minimiser, so the bias floor is 0 and only the
         # cost side of the trade-off remains (the best case for dropping examples).
-        families.append(("noise-free data (b = Ux_true)", {"g_sigma": args.g_sigma, "noise": 0.0}))
+        families.append(("noise-free data (b = Ux_true)", {"g_sigma": args.g_sigma, "noise": 0.0, **problem}))
     results = []
     for label, kw in families:
         fam = run_family(label, kw, seeds, tune_seeds, replicates, fractions, kappas, args.target)
@@ -172,6 +178,7 @@ def main(argv: list[str] | None = None) -> dict:
         "benchmark": "subset_selection",
         "command": "python benchmarks/subset_selection.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "quick": args.quick,
+        "smoke": args.smoke,
         "target": args.target,
         "families": results,
     }

@@ -6,6 +6,7 @@ testbed.
     python benchmarks/token_efficiency.py --testbed long   # the long testbed (adds full micro-batches as an arm)
     python benchmarks/token_efficiency.py --shard 0/2      # every 2nd run from the 1st: one process per core
     python benchmarks/token_efficiency.py --quick          # 2 seeds of GRPO and Cost-Aware 0.5, 30 steps
+    python benchmarks/token_efficiency.py --smoke --out /tmp/te --results /tmp/te   # the machinery, ~1 min (its test)
     python benchmarks/token_efficiency.py --analyze-only   # re-read the runs already in --out
     python benchmarks/token_efficiency.py --compute-to-target   # compute to the target of the committed runs (§7)
 
@@ -15,8 +16,9 @@ after every run.
 
 View A (same rollouts per step): GRPO, GRPO without zero-advantage rows (exact), uniform subsampling 0.5 / 0.25 (and
 0.5 with recentred weights), PODS max-variance 0.5, Cost-Aware GRPO 0.25 / 0.5 / 0.75 (weights "none"), 0.25 and 0.5
-with "recenter" weights, the `auto` budget (δ = 1, both weights), the loss-aware proxy, `cost_aware_group_by_length`
-and (long testbed) full micro-batches (`MAIN_ARMS`, `OTHER_ARMS`, `KEPT_ARMS`, `TESTBED_ARMS`). View B (same policy
+with "recenter" weights and the loss-aware proxy (`MAIN_ARMS`, `OTHER_ARMS`, `KEPT_ARMS`; every one an arm of
+`_common.ARMS`, checked before the first run). The committed results also hold arms of removed options (the `auto`
+budget, `cost_aware_group_by_length`, full micro-batches): `--analyze-only` still reports them. View B (same policy
 tokens per step): GRPO on half the prompts against Cost-Aware GRPO keeping half. Per arm also: real and padded policy
 tokens, the update phase's share of a step, and the sampler's per-batch J ratios (`THEORY_KEYS`); the row rules are
 compared pairwise on their common seeds (`PAIRS`).
@@ -57,13 +59,11 @@ from trl_costaware.tracking.compare.compute import (  # noqa: E402
 MAIN_ARMS = ("grpo", "cost_aware_0.5", "uniform_0.5")  # --seeds (10)
 # --other-seeds (5)
 OTHER_ARMS = ("grpo_half", "zero_adv_filter", "pods_0.5", "cost_aware_0.5_recenter", "uniform_0.5_recenter")
-OTHER_ARMS += ("cost_aware_auto", "cost_aware_auto_recenter", "cost_aware_0.5_loss_aware")
-OTHER_ARMS += ("cost_aware_0.5_group_by_length", "uniform_0.25")
+OTHER_ARMS += ("cost_aware_0.5_loss_aware", "uniform_0.25")
 KEPT_ARMS = ("cost_aware_0.25", "cost_aware_0.25_recenter", "cost_aware_0.75")  # --kept-seeds (5)
-KEPT_ARMS += ("cost_aware_auto_recenter_loss_aware",)
-# Arms a testbed's layout allows beyond those (full micro-batches need steps_per_generation > 1: the default testbed
-# has one micro-batch per generation batch, so the layout has nothing to merge there).
-TESTBED_ARMS = {"default": (), "long": ("cost_aware_0.5_full_micro",)}
+SMOKE_ARMS = ("grpo", "cost_aware_0.5")  # --smoke: 1 seed, 2 steps, 4 prompts x 8 rollouts
+SMOKE_SETTINGS = {"per_device_train_batch_size": 32, "num_generations": 8}
+SMOKE_EVAL_N = 32
 VIEW_A = ("grpo", "zero_adv_filter", "uniform_0.5", "uniform_0.5_recenter", "uniform_0.25", "pods_0.5")
 VIEW_A += ("cost_aware_0.25", "cost_aware_0.25_recenter", "cost_aware_0.5", "cost_aware_0.75")
 VIEW_A += ("cost_aware_0.5_recenter", "cost_aware_auto")
@@ -244,12 +244,7 @@ def analyse(runs: dict[str, dict[int, dict]]) -> dict:
 # and weights (uniform, PODS), against the exact zero-advantage filter, and its options against the default.
 PAIRS = [("cost_aware_0.5", o) for o in ("zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5_recenter")]
 PAIRS += [("cost_aware_0.5_recenter", "uniform_0.5_recenter"), ("cost_aware_0.5_recenter", "pods_0.5")]
-PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_auto", "cost_aware_0.5_loss_aware")]
-PAIRS += [(a, "cost_aware_0.5") for a in ("cost_aware_0.5_group_by_length", "cost_aware_0.5_full_micro")]
-PAIRS += [("cost_aware_auto_recenter", "cost_aware_0.5_recenter"), ("uniform_0.25", "uniform_0.5")]
-# the `auto` default against the smaller fixed fraction (fewer tokens, but is the accuracy kept?), both weights
-PAIRS += [("cost_aware_auto", "cost_aware_0.25"), ("cost_aware_auto_recenter", "cost_aware_0.25_recenter")]
-PAIRS += [("cost_aware_auto_recenter_loss_aware", "cost_aware_auto_recenter")]
+PAIRS += [("cost_aware_0.5_loss_aware", "cost_aware_0.5"), ("uniform_0.25", "uniform_0.5")]
 PAIRS += [("cost_aware_0.5_recenter", "cost_aware_0.5")]  # an option against its default (RESULTS.md §4)
 THEORY_KEYS = ("j_ratio_ideal", "j_ratio_achieved", "kept_token_fraction", "informative_fraction")
 
@@ -459,14 +454,16 @@ def plot_curves(runs: dict[str, dict[int, dict]], arms, path: str, title: str, t
 ROLLOUTS_PER_STEP = {"default": "64 × 16", "long": "16 × 8"}
 
 
-def write_results(root: str, steps: int, tag: str, command: str, testbed: str = "default") -> dict:
+def write_results(
+    root: str, steps: int, tag: str, command: str, testbed: str = "default", results: str = common.RESULTS
+) -> dict:
     runs = load_runs(root, steps)
     res = analyse(runs)
     res["command"] = command
     res["steps"] = steps
     res["testbed"] = testbed
     res["rollouts_per_step"] = ROLLOUTS_PER_STEP[testbed]
-    base = os.path.join(common.RESULTS, f"token_efficiency_{tag}")
+    base = os.path.join(results, f"token_efficiency_{tag}")
     if "error" not in res:
         main = ("grpo", "zero_adv_filter", "pods_0.5", "uniform_0.5", "cost_aware_0.5")
         plot_curves(runs, main, base + "_view_a.png", f"View A: same rollouts per step ({steps} steps)", res["target"])
@@ -659,9 +656,9 @@ def compute_to_target_markdown(res: dict) -> str:
     return "\n".join(lines)
 
 
-def write_compute_to_target() -> dict:
+def write_compute_to_target(results: str = common.RESULTS) -> dict:
     res = compute_to_target()
-    base = os.path.join(common.RESULTS, "compute_to_target")
+    base = os.path.join(results, "compute_to_target")
     with open(base + ".json", "w", encoding="utf-8") as fh:
         json.dump(res, fh, indent=1)
     md = compute_to_target_markdown(res)
@@ -674,6 +671,10 @@ def write_compute_to_target() -> dict:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 seeds of GRPO and Cost-Aware 0.5, 30 steps")
+    p.add_argument(
+        "--smoke", action="store_true", help="the machinery only: 1 seed of GRPO and Cost-Aware 0.5, 2 steps"
+    )
+    p.add_argument("--results", default=common.RESULTS, help="folder of the result files (default benchmarks/results)")
     p.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {common.DEFAULT_STEPS})")
     p.add_argument("--seeds", type=int, default=10, help="seeds of GRPO and Cost-Aware 0.5")
     p.add_argument("--other-seeds", type=int, default=5, help="seeds of the baselines, GRPO-half and recenter")
@@ -692,38 +693,52 @@ def main(argv=None):
     )
     args = p.parse_args(argv)
     if args.compute_to_target:
-        write_compute_to_target()
+        os.makedirs(args.results, exist_ok=True)
+        write_compute_to_target(args.results)
         return
     from trl_costaware.embedded.testbed import get_testbed
 
     bed = get_testbed(args.testbed)
-    tag = args.tag or ("quick" if args.quick else "full") + ("" if args.testbed == "default" else f"_{args.testbed}")
-    steps = args.steps or (30 if args.quick else bed.steps)
+    kind = "smoke" if args.smoke else "quick" if args.quick else "full"
+    tag = args.tag or kind + ("" if args.testbed == "default" else f"_{args.testbed}")
+    steps = args.steps or (2 if args.smoke else 30 if args.quick else bed.steps)
     root = args.out or os.path.join(common.ROOT, "outputs", "bench", f"token_efficiency_{tag}")
     command = " ".join(["python benchmarks/token_efficiency.py", *(argv if argv is not None else sys.argv[1:])])
-    os.makedirs(common.RESULTS, exist_ok=True)
+    os.makedirs(args.results, exist_ok=True)
+    extra, eval_n = (SMOKE_SETTINGS, SMOKE_EVAL_N) if args.smoke else ({}, common.HELDOUT_N)
     if not args.analyze_only:
-        if args.quick:
+        if args.smoke:
+            order = schedule([(SMOKE_ARMS, 1)])
+        elif args.quick:
             order = schedule([(MAIN_ARMS, 2)])
         else:
-            other = OTHER_ARMS + TESTBED_ARMS[args.testbed]
-            order = schedule([(MAIN_ARMS, args.seeds), (other, args.other_seeds), (KEPT_ARMS, args.kept_seeds)])
+            order = schedule([(MAIN_ARMS, args.seeds), (OTHER_ARMS, args.other_seeds), (KEPT_ARMS, args.kept_seeds)])
+        common.checked_names("scheduled arms", ",".join(a for a, _ in order), common.ARMS)  # before hours of runs
         if args.arms:
-            wanted = set(args.arms.split(","))
+            wanted = set(common.checked_names("--arms", args.arms, common.ARMS))
             order = [(a, s) for a, s in order if a in wanted]
         shard, shards = (int(x) for x in args.shard.split("/"))
         order = order[shard::shards]
         t0 = time.perf_counter()
         for i, (arm, seed) in enumerate(order):
-            r = common.run_arm(arm, seed, root, steps=steps, eval_every=args.eval_every, testbed=args.testbed)
+            r = common.run_arm(
+                arm,
+                seed,
+                root,
+                steps=steps,
+                eval_every=1 if args.smoke else args.eval_every,
+                eval_n=eval_n,
+                extra_settings=extra,
+                testbed=args.testbed,
+            )
             print(
                 f"[{i + 1}/{len(order)}] {arm} seed {seed}: held-out {r['heldout_acc_start']:.3f} -> "
                 f"{r['heldout_acc_end']:.3f}, train {r['train_wall_s']:.0f}s "
                 f"(elapsed {time.perf_counter() - t0:.0f}s)",
                 flush=True,
             )
-            write_results(root, steps, tag, command, args.testbed)
-    res = write_results(root, steps, tag, command, args.testbed)
+            write_results(root, steps, tag, command, args.testbed, args.results)
+    res = write_results(root, steps, tag, command, args.testbed, args.results)
     print(markdown(res, command))
 
 

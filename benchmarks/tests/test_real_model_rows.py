@@ -149,6 +149,16 @@ def test_interval():
     assert rmr.interval([])["n"] == 0
 
 
+def test_rollout_cache_is_keyed_by_seed_and_settings(tmp_path):
+    """Another seed gets its own folder; the same seed with other settings (a batch shape) is refused, not reused."""
+    settings = {"num_generations": 8, "per_device_train_batch_size": 64}
+    first = rmr.rollout_cache(str(tmp_path), "full", "smollm2", 0, settings)
+    assert rmr.rollout_cache(str(tmp_path), "full", "smollm2", 0, dict(settings)) == first
+    assert rmr.rollout_cache(str(tmp_path), "full", "smollm2", 1, settings) != first
+    with pytest.raises(SystemExit, match="holds rollouts of"):
+        rmr.rollout_cache(str(tmp_path), "full", "smollm2", 0, {**settings, "per_device_train_batch_size": 32})
+
+
 def test_help_runs():
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "real_model_rows.py")
     out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, timeout=60)
@@ -176,7 +186,7 @@ def test_quick_run_on_the_default_testbed(tmp_path):
             assert s["informative"]["mean"] > 0
     md = (tmp_path / "quick.md").read_text()
     assert "loss family grpo" in md and "loss family dapo" in md and "default testbed lora" in md
-    assert sorted(p.name for p in (tmp_path / "quick" / "default").glob("*_0.*")) == [
+    assert sorted(p.name for p in (tmp_path / "quick" / "default" / "seed0").glob("*_0.*")) == [
         "rollouts_0.pt",
         "scores_full_0.json",
         "scores_lora_0.json",

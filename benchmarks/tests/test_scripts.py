@@ -1,0 +1,232 @@
+"""Every benchmark script runs end to end in its smoke mode through its real entry point and writes its result files
+(into a temporary folder, never over the committed results), and every command RESULTS.md and README.md show names
+a `make` target, a script and options that exist. The scripts with tests of their own elsewhere: `regime_matrix.py`
+(test_regime_matrix.py), `step_profile.py` (test_step_profile.py), `real_model_rows.py` (test_real_model_rows.py);
+`real_model_learning*.py` have their own test file. `_common.py`, `baselines.py`, `regime_runs.py` and
+`regime_analysis.py` are modules of those scripts, not commands."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+SCRIPTS_TESTED_ELSEWHERE = {"regime_matrix.py", "step_profile.py", "real_model_rows.py", "real_model_learning.py"}
+MODULES = {"_common.py", "baselines.py", "regime_runs.py", "regime_analysis.py"}
+
+
+def _files(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir() if p.is_file()}
+
+
+def test_every_script_has_a_smoke_test():
+    """A new script under benchmarks/ gets a smoke test here (or a test file of its own, listed above)."""
+    here = Path(__file__).read_text().split("def test_every_script_has_a_smoke_test")[-1]
+    scripts = {p.name for p in BENCH.glob("*.py") if not p.name.startswith("real_model_learning")}
+    scripts -= MODULES | SCRIPTS_TESTED_ELSEWHERE
+    untested = sorted(s for s in scripts if f'"{s[:-3]}"' not in here and f"import {s[:-3]}" not in here)
+    assert not untested, f"benchmark scripts without a smoke test: {untested}"
+
+
+def test_cost_aware_sgd_smoke(tmp_path):
+    import cost_aware_sgd
+
+    payload = cost_aware_sgd.main(["--smoke", "--out", str(tmp_path)])
+    assert _files(tmp_path) == {"cost_aware_sgd.json", "cost_aware_sgd.png"}
+    samplers = set(payload["families"][0]["samplers"])
+    assert samplers == set(cost_aware_sgd.SAMPLERS)  # the ablations 1/c and 1/√c are built by the script
+
+
+def test_cost_aware_sgd_draw_is_hansen_hurwitz():
+    import cost_aware_sgd
+
+    p = torch.tensor([0.5, 0.25, 0.25], dtype=torch.float64)
+    idx, w = cost_aware_sgd.draw_multinomial(p, 4000, torch.Generator().manual_seed(0))
+    assert torch.allclose(w, 1.0 / (3 * p[idx]))
+    assert abs(float((idx == 0).double().mean()) - 0.5) < 0.05
+
+
+def test_subset_selection_smoke(tmp_path):
+    import subset_selection
+
+    subset_selection.main(["--smoke", "--out", str(tmp_path)])
+    assert _files(tmp_path) == {"subset_selection.json", "subset_selection.png"}
+
+
+def test_proxy_fidelity_smoke_and_replot(tmp_path, warm_model_path):
+    import proxy_fidelity
+
+    results = tmp_path / "results"
+    args = ["--smoke", "--task", "testbed", "--results", str(results)]  # the shipped warm-up: nothing to train first
+    proxy_fidelity.main([*args, "--out", str(tmp_path / "runs")])
+    names = {f"proxy_fidelity_smoke_testbed.{ext}" for ext in ("csv", "json", "md", "png")}
+    assert _files(results) == names
+    (results / "proxy_fidelity_smoke_testbed.md").unlink()
+    proxy_fidelity.main([*args, "--replot"])  # from the saved .json/.csv
+    assert _files(results) == names
+
+
+def test_proxy_fidelity_replots_committed_results_with_the_removed_budget_table(tmp_path):
+    """--replot of a committed result (measured with the adaptive budget, since removed) rewrites its .md as it is."""
+    import shutil
+
+    import proxy_fidelity
+
+    for ext in ("csv", "json", "md"):
+        shutil.copy(BENCH / "results" / f"proxy_fidelity_quick.{ext}", tmp_path)
+    proxy_fidelity.main(["--quick", "--replot", "--results", str(tmp_path)])
+    committed = (BENCH / "results" / "proxy_fidelity_quick.md").read_text()
+    assert (tmp_path / "proxy_fidelity_quick.md").read_text() == committed
+
+
+def test_token_efficiency_smoke(tmp_path, warm_model_path):
+    import token_efficiency
+
+    token_efficiency.main(["--smoke", "--out", str(tmp_path / "runs"), "--results", str(tmp_path)])
+    assert {"token_efficiency_smoke.json", "token_efficiency_smoke.md"} <= _files(tmp_path)
+    res = json.loads((tmp_path / "token_efficiency_smoke.json").read_text())
+    assert res["steps"] == 2
+    token_efficiency.main(["--compute-to-target", "--results", str(tmp_path)])  # reads the committed runs
+    assert {"compute_to_target.json", "compute_to_target.md"} <= _files(tmp_path)
+
+
+def test_token_efficiency_schedules_only_existing_arms():
+    import _common as common
+    import token_efficiency as te
+
+    for arms in (te.MAIN_ARMS, te.OTHER_ARMS, te.KEPT_ARMS, te.SMOKE_ARMS):
+        assert set(arms) <= set(common.ARMS)
+    assert {a for pair in te.PAIRS for a in pair} <= set(common.ARMS)
+    with pytest.raises(SystemExit, match="unknown"):
+        te.main(["--smoke", "--arms", "cost_aware_auto", "--out", "/nonexistent", "--results", "/tmp"])
+
+
+@pytest.mark.multiprocess
+def test_batch_shapes_smoke(tmp_path, warm_model_path):
+    import batch_shapes
+
+    out = tmp_path / "batch_shapes_smoke"
+    assert batch_shapes.main(["--smoke", "--out", str(out)]) == 0
+    assert _files(tmp_path) == {"batch_shapes_smoke.json", "batch_shapes_smoke.md"}
+    rows = json.loads((tmp_path / "batch_shapes_smoke.json").read_text())["single"]["rows"]
+    assert {r["arm"] for r in rows} == set(batch_shapes.ARMS)
+
+
+def test_regime_matrix_reads_the_zero_variance_share_it_logs(tmp_path):
+    """The multi-epoch cell's property: GRPO's runs log the zero-variance token share (the trainer no longer does),
+    and the reader finds it."""
+    import regime_matrix as rm
+
+    adv = torch.tensor([0.0, 0.0, 1.0, -1.0])
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    assert rm.zero_variance_token_share(adv, mask, 2) == pytest.approx(4 / 10)
+    (tmp_path / "cost_aware_metrics.jsonl").write_text(json.dumps({"step": 1, rm.ZERO_SHARE_KEY: 0.25}) + "\n")
+    assert rm.zero_variance_shares(str(tmp_path)) == [0.25]
+
+
+# ---------------------------------------------------------------------------------------------- documented commands
+DOCS = ("RESULTS.md", "README.md", "benchmarks/README.md")
+COMMIT = re.compile(r"\b[0-9a-f]{7,40}\b")
+
+
+def _paragraphs(text: str) -> list[str]:
+    return [p for p in re.split(r"\n\s*\n", text) if p.strip()]
+
+
+def _make_targets() -> set[str]:
+    return set(re.findall(r"^([A-Za-z0-9_.-]+):", (ROOT / "Makefile").read_text(), re.M))
+
+
+def _in_git(commit: str, path: str) -> bool | None:
+    """Whether `path` exists at `commit` (None: no git history to ask)."""
+    try:
+        out = subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=ROOT, capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0 and b"not a git repository" in out.stderr:
+        return None
+    return out.returncode == 0
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_documented_make_targets_exist(doc):
+    targets = _make_targets()
+    text = (ROOT / doc).read_text()
+    named = set(re.findall(r"`make ([a-z][\w-]*[a-z0-9])", text))
+    named |= set(re.findall(r"^\s*make ([a-z][\w-]*[a-z0-9])", text, re.M))  # code blocks
+    missing = sorted(named - targets)
+    assert not missing, f"{doc} names make targets the Makefile lacks: {missing}"
+
+
+def test_makefile_scripts_exist():
+    text = (ROOT / "Makefile").read_text()
+    scripts = set(re.findall(r"(benchmarks/[\w/]+\.py)", text))
+    assert scripts and all((ROOT / s).exists() for s in scripts), [s for s in scripts if not (ROOT / s).exists()]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_documented_scripts_exist(doc):
+    """A script path a document names exists, or its paragraph names the commit where it does (and git agrees)."""
+    problems = []
+    for para in _paragraphs((ROOT / doc).read_text()):
+        for path in set(re.findall(r"(benchmarks/[\w/]+\.(?:py|sh))", para)):
+            if (ROOT / path).exists():
+                continue
+            commits = COMMIT.findall(para)
+            if not commits:
+                problems.append(f"{path} (no such file, and no commit named beside it)")
+            elif _in_git(commits[0], path) is False and not any(_in_git(c, path) for c in commits[1:]):
+                problems.append(f"{path} (not at {', '.join(commits)} either)")
+    assert not problems, f"{doc}: {problems}"
+
+
+def _options(script: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / script), "--help"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    return set(re.findall(r"(--[a-z][\w-]*)", out.stdout))
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_documented_script_options_exist(doc):
+    """`python benchmarks/X.py --option ...` in a document: each option is one X accepts today (commands given for an
+    older commit, with the commit in their paragraph, are left out)."""
+    options: dict[str, set[str]] = {}
+    problems = []
+    text = (ROOT / doc).read_text()
+    for para in _paragraphs(text):
+        if COMMIT.search(para):
+            continue
+        flat = " ".join(para.split())
+        for script, rest in re.findall(
+            r"python (benchmarks/[\w/]+\.py)((?: --?[\w.=,/-]+(?: [^`\s-][^`\s]*)?)*)", flat
+        ):
+            if not (ROOT / script).exists():
+                continue
+            used = set(re.findall(r"(--[a-z][\w-]*)", rest))
+            known = options.setdefault(script, _options(script) if used else set())
+            problems += [f"{script} {o}" for o in sorted(used - known)]
+    assert not problems, f"{doc} shows options the scripts do not accept: {problems}"
+
+
+def test_make_dry_run_of_every_benchmark_target():
+    """`make -n` of every bench target expands (no missing variable or prerequisite of its own)."""
+    targets = sorted(t for t in _make_targets() if t.startswith("bench"))
+    out = subprocess.run(
+        ["make", "-n", "-o", ".venv/.installed", *targets],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "MAKEFLAGS": ""},
+    )
+    assert out.returncode == 0, out.stderr
