@@ -534,8 +534,8 @@ def test_rank_without_signal(tiny_model, tmp_path, backend):
 
     _check_global_weights(records)  # one global weight vector, each rank its slice
     r0, r1 = records
-    m = r0["kept"][0]
-    for weights, filler in zip(r0["global_weights"], r0["global_filler"], strict=True):
+    # m per generation batch: under the token budget it follows each batch's costs (the expected kept cost fits)
+    for m, weights, filler in zip(r0["kept"], r0["global_weights"], r0["global_filler"], strict=True):
         # rank 1 has no signal: every slot of it is a filler (weight 0, out of the normalisation); rank 0 drew by
         # |A|/sqrt(c): varied weights, whose mean is the global mean over the rows that carry gradient (all here)
         assert all(filler[m:]) and set(weights[m:]) == {0.0}

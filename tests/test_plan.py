@@ -294,3 +294,22 @@ def test_recentred_weights_keep_the_gradient_scale_when_rows_cannot_be_drawn():
     # The recentred estimator's own bias at m = 4 (not the scale): under 2% here.
     assert abs(float(est.mean()) / target - 1.0) < 0.05 + 4 * se / abs(target), (float(est.mean()), target, se)
     assert len(centres) == 1 and centres.pop() == pytest.approx(0.5)
+
+
+def test_fillers_are_the_cheapest_rows_the_loss_sees():
+    """A rank whose rows all have A = 0, beside a rank with signal, fills its m slots with the cheapest rows the loss
+    sees, for sure (issue 54: an 8-row batch kept rows of 24 and 9 tokens instead of 5 and 6); a rank with some signal
+    gives the slots its support cannot take to the cheapest of its other rows."""
+    costs = [24.0, 9.0, 5.0, 30.0, 6.0, 40.0, 12.0, 3.0]
+    tokens = [20.0, 5.0, 1.0, 26.0, 2.0, 36.0, 8.0, 0.0]  # the cheapest row has no loss token
+    for seed in range(10):
+        rows = make_rows([0.0] * 8, loss_tokens=tokens, costs=costs)
+        other = OtherRank([-2, 8], weights=_full_support_rank(2))
+        plan = plan_batch(rows, ht_settings(kept_fraction=0.25), gen(seed), other)
+        assert plan.m == 2 and plan.filler.all()
+        assert sorted(rows.costs[plan.indices].tolist()) == [5.0, 6.0]
+        rows = make_rows([0.0, 0.0, 0.0, 1.0, 0.0, -1.0, 0.0, 0.0], loss_tokens=tokens, costs=costs)
+        other = OtherRank([-4, 8], weights=_full_support_rank(4))
+        plan = plan_batch(rows, ht_settings(kept_fraction=0.5), gen(seed), other)
+        assert plan.m == 4 and int(plan.filler.sum()) == 2
+        assert sorted(rows.costs[plan.indices].tolist()) == [5.0, 6.0, 30.0, 40.0]

@@ -652,3 +652,69 @@ def test_normalize_weights_keep_the_given_centre(w, center):
     for bad in (math.nan, math.inf, -1.0):
         with pytest.raises(ValueError, match="centre"):
             normalize_weights(w, "recenter", center=bad)
+
+
+# --- the token budget keeps its promise: expected kept tokens within the budget, exactly ---------------------------
+
+
+@st.composite
+def budget_case(draw):
+    """A batch of 1-24 rows: probabilities with zeros (rows outside the support), costs from even to heavily skewed
+    (a few cheap rows beside many long ones), filler scores 1/c on some rows, and a budget."""
+    n = draw(st.integers(1, 24))
+    scores = draw(st.lists(st.one_of(st.just(0.0), st.floats(1e-3, 1e3)), min_size=n, max_size=n))
+    skew = draw(st.sampled_from(["even", "skewed"]))
+    if skew == "even":
+        costs = draw(st.lists(st.floats(1.0, 300.0), min_size=n, max_size=n))
+    else:
+        cheap = draw(st.integers(0, n))
+        costs = [draw(st.floats(1.0, 12.0)) for _ in range(cheap)] + [draw(st.floats(150.0, 4096.0))] * (n - cheap)
+    s = torch.tensor(scores, dtype=torch.float64)
+    p = s / s.sum() if s.sum() > 0 else torch.zeros(n, dtype=torch.float64)
+    c = torch.tensor(costs, dtype=torch.float64)
+    filler = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=torch.float64) / c
+    budget = draw(st.floats(0.5, float(c.sum()) * 1.2))
+    return p, c, filler, budget
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=budget_case())
+def test_token_budget_is_the_largest_m_within_budget_in_expectation(case):
+    """m = the largest count whose expected kept cost Σ π_i(m) c_i (the systematic draw's, fillers included) is at most
+    the budget; 1 when even one row exceeds it."""
+    p, c, filler, budget = case
+    n = len(p)
+    m = kept_rows_for_token_budget(p, c, budget, n, filler)
+    assert 1 <= m <= n
+    spent = sampling.expected_kept_cost(p, c, m, filler)
+    assert m == 1 or spent <= budget * (1 + 1e-12)
+    if m < n:
+        assert sampling.expected_kept_cost(p, c, m + 1, filler) > budget
+
+
+def test_token_budget_on_a_skewed_batch_keeps_its_promise():
+    """Issue 54's example: 2 cheap rows with |A| = 10 beside 14 rows of 200 tokens; budget 200 kept ~1,400 tokens in
+    expectation when m was budget / Σ p_i c_i (rows at π = 1 count in full, not in proportion to p). Now the plan
+    keeps at most 200 in expectation, checked against the draw's own inclusion probabilities and by Monte Carlo;
+    budget 400 no longer keeps every row."""
+    from trl_costaware.rows.plan import PlanSettings, RowStats, plan_batch
+
+    adv = torch.tensor([10.0, 10.0] + [0.5, -0.5] * 7)
+    costs = torch.tensor([10.0, 10.0] + [200.0] * 14)
+    ones = torch.ones(16)
+    rows = RowStats(adv, costs, costs, ones, costs, costs, ones, costs - 1)
+    for budget in (200.0, 400.0):
+        s = PlanSettings(loss_type="dapo", token_budget=budget)
+        plan = plan_batch(rows, s, torch.Generator().manual_seed(0))
+        pi = plan.draw.probabilities
+        assert float((pi * costs).sum()) <= budget
+        assert plan.m < 16
+        old = int(budget // float((plan.p * costs).sum()))
+        assert float((inclusion_probabilities(plan.p, min(old, 16)) * costs).sum()) > 3 * budget  # the old rule
+    spent = []
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4000):
+        spent.append(
+            float(costs[plan_batch(rows, PlanSettings(loss_type="dapo", token_budget=200.0), g).indices].sum())
+        )
+    assert np.mean(spent) <= 200.0 * 1.03

@@ -68,8 +68,10 @@ class CostAwareGRPOConfig(GRPOConfig):
             Fraction m/N in (0, 1] of each rank's generation batch kept for the policy update, rounded down to the
             layout's unit (at least one row per optimizer step; a warning names the fields when the shape keeps more).
         cost_aware_token_budget (`int` or `None`, *optional*, defaults to `None`):
-            If set, replaces `cost_aware_kept_fraction`: policy-update tokens per rank per generation batch; m is the
-            budget over the expected cost of a draw, smallest over ranks.
+            If set, replaces `cost_aware_kept_fraction`: policy-update tokens (in units of `cost_aware_cost`) per rank
+            per generation batch. m is the largest count whose expected kept cost Σ π_i(m) c_i (the systematic draw's,
+            exactly, fillers included) is at most the budget, smallest over ranks: each rank keeps at most the budget
+            in expectation, unless a single row already exceeds it (then one row, or the layout's unit).
         cost_aware_proxy (`str`, *optional*, defaults to `"advantage"`):
             The gradient-norm proxy G_i the draw uses, p_i ∝ G_i / √c_i: `"advantage"` (|A_i|, the paper's),
             `"loss_aware"` (|A_i| · h_i, h_i from the loss type's normaliser and the row's length) or `"uniform"`
@@ -110,8 +112,9 @@ class CostAwareGRPOConfig(GRPOConfig):
     cost_aware_token_budget: int | None = field(
         default=None,
         metadata={
-            "help": "If set, replaces cost_aware_kept_fraction: policy-update tokens per rank per generation batch; "
-            "m is the budget over the expected cost of a draw (smallest over ranks)."
+            "help": "If set, replaces cost_aware_kept_fraction: policy-update tokens per rank per generation batch. m "
+            "is the largest count whose expected kept tokens (sum of pi_i(m) c_i for the systematic draw, exactly) "
+            "stay within the budget, smallest over ranks: at most the budget in expectation unless one row exceeds it."
         },
     )
     cost_aware_proxy: str = field(

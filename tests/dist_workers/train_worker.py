@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware import trainer as trainer_module
     from trl_costaware.embedded.arithmetic import arithmetic_dataset
-    from trl_costaware.rows.sampling import kept_rows_for_token_budget
+    from trl_costaware.rows.plan import token_budget_count
 
     os.makedirs(args.out, exist_ok=True)
     config = CostAwareGRPOConfig(
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         record["global_weights"].append(plan.global_weights.tolist())
         record["global_filler"].append(plan.global_filler.tolist())
         if settings.token_budget is not None:  # this rank's own count, before the reduction over ranks
-            own = kept_rows_for_token_budget(plan.p, rows.costs, settings.token_budget, len(rows))
+            own = token_budget_count(rows, plan.p, plan.eligible, settings.token_budget)
             record["budget_rows"].append(own)
         record["eligible_rows"].append(int(plan.eligible.sum()))  # this rank's rows that can carry gradient
         record["kept_multiple"].append(settings.kept_multiple)

@@ -4,11 +4,11 @@
 
 1. eligibility: the rows that can carry gradient, S (`sampling.eligible_rows`);
 2. the sampling distribution p over S (`sampling.sampling_scores`, `sampling.sampling_distribution`);
-3. m, equal on every rank: a fixed fraction (`sampling.kept_row_count`) or a token budget
-   (`sampling.kept_rows_for_token_budget`), smallest over ranks, then capped at what the busiest rank's eligible
-   rows need (`sampling.capped_kept_count`);
+3. m, equal on every rank: a fixed fraction (`sampling.kept_row_count`) or a token budget (the largest m whose
+   expected kept cost Σ π_i(m) c_i fits it, `sampling.kept_rows_for_token_budget`), smallest over ranks, then capped
+   at what the busiest rank's eligible rows need (`sampling.capped_kept_count`);
 4. the systematic draw (`sampling.draw_systematic`); when this rank has fewer eligible rows than m, the remaining
-   slots go to the cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
+   slots go, for sure, to the cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
 5. the weights: the draw's unbiasing weights of the kept non-filler rows of all ranks, normalised together
    (`sampling.normalize_weights`) around the design's expected mean weight w̄₀ of those slots
    (`sampling.design_weight_terms`, summed over ranks: |S|/N on one rank, not 1, since rows outside S are never
@@ -257,12 +257,31 @@ class Plan:
         return None if self.rows is None else {k: self.rows[k][self.indices] for k in keys}
 
 
+def filler_scores(rows: RowStats) -> torch.Tensor:
+    """The filler order (`sampling.inclusion_probabilities`): the cheapest rows the loss sees first, 1/c_i; rows
+    without a loss token last."""
+    return (rows.loss_tokens > 0).double() / rows.costs.double().clamp(min=1.0)
+
+
+def drawn_distribution(p: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
+    """The distribution the draw uses: p on the support S, 0 outside it, even when S is empty (p is then uniform, for
+    the metrics): every slot the rows of S cannot take goes to a filler, the cheapest rows first."""
+    return torch.where(eligible.to(p.device), p, torch.zeros_like(p))
+
+
+def token_budget_count(rows: RowStats, p: torch.Tensor, eligible: torch.Tensor, budget: float) -> int:
+    """This rank's own m under a token budget (before the reduction over ranks): the largest m whose expected kept
+    cost Σ π_i(m) c_i, fillers included, is at most `budget` (`sampling.kept_rows_for_token_budget`)."""
+    q = drawn_distribution(p, eligible)
+    return kept_rows_for_token_budget(q, rows.costs, budget, len(rows), filler_scores(rows))
+
+
 def _kept_count(rows: RowStats, s: PlanSettings, p, eligible, collective: Collective) -> int:
     """m: this rank's count from the fraction or the token budget, reduced to the smallest over ranks together with
     the eligible rows of the busiest rank (one call), then capped at what those rows need."""
     n, unit = len(rows), s.kept_multiple
     if s.token_budget is not None:
-        m_local = kept_rows_for_token_budget(p, rows.costs, s.token_budget, n)
+        m_local = token_budget_count(rows, p, eligible, s.token_budget)
     else:
         m_local = kept_row_count(n, s.kept_fraction, unit)
     negative_m, k_max = collective.max_ints([-m_local, int(eligible.sum())])
@@ -285,9 +304,7 @@ def plan_batch(
     scores = sampling_scores(advantages, costs, s.proxy, rows.proxy_factors)
     p = sampling_distribution(scores, s.smoothing, support=eligible)
     m = _kept_count(rows, s, p, eligible, collective)
-
-    filler_score = (loss_tokens > 0).double() / costs.double().clamp(min=1.0)
-    draw = draw_systematic(p, m, generator, filler=filler_score)
+    draw = draw_systematic(drawn_distribution(p, eligible), m, generator, filler=filler_scores(rows))
     filler = ~eligible[draw.indices]
 
     # Normalise over the kept non-filler slots of all ranks (every rank has m slots, so the concatenation is even),

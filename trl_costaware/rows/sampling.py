@@ -164,9 +164,9 @@ def inclusion_probabilities(p: torch.Tensor, m: int, filler: torch.Tensor | None
 
     π_i = min(1, m p_i), with the mass cut off at 1 re-spread over the uncapped rows in proportion to p, repeated
     until no π_i exceeds 1, so that Σ π_i = m and 0 ≤ π_i ≤ 1. When fewer than m rows have p_i > 0, those rows get
-    π_i = 1 and the remaining mass goes to the p_i = 0 rows (they are needed to keep the row count and add nothing to
-    the loss): in proportion to `filler` (≥ 0; e.g. 1/c to fill with the cheapest rows) while it has mass on the
-    uncapped rows, then evenly.
+    π_i = 1 and the remaining slots go to p_i = 0 rows (they keep the row count and add nothing to the loss): to the
+    rows with the highest `filler` score (≥ 0; e.g. 1/c: the cheapest rows) for sure, rows tied at the last score
+    taken sharing the slots left evenly (so with no `filler`, or all scores equal, every such row alike).
     """
     n = p.numel()
     if not 0 < m <= n:
@@ -181,18 +181,28 @@ def inclusion_probabilities(p: torch.Tensor, m: int, filler: torch.Tensor | None
             break
         left = m - int(capped.sum())
         mass = p[free].sum()
-        if mass > 0:
-            pi[free] = left * p[free] / mass
-        elif fill[free].sum() > 0:
-            pi[free] = left * fill[free] / fill[free].sum()
-        else:
-            pi[free] = left / int(free.sum())
+        if mass <= 0:  # every row with p > 0 is kept: the `left` best filler rows
+            pi[free] = _best_rows(fill[free], left)
+            break
+        pi[free] = left * p[free] / mass
         over = free & (pi >= 1.0 - 1e-12)  # within rounding of 1 (e.g. m·(1/m) = 0.999…): kept for sure, exactly 1
         if not over.any():
             break
         capped |= over
         pi[capped] = 1.0
     return pi.clamp(0.0, 1.0)
+
+
+def _best_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Inclusion probabilities of k rows taken by highest score: 1 above the k-th score, the rows tied at it sharing
+    what is left evenly, 0 below."""
+    if k <= 0:
+        return torch.zeros_like(scores)
+    kth = torch.sort(scores, descending=True).values[k - 1]
+    above, tied = scores > kth, scores == kth
+    out = above.to(scores.dtype)
+    out[tied] = (k - int(above.sum())) / int(tied.sum())
+    return out
 
 
 @dataclass
@@ -366,11 +376,33 @@ def kept_row_count(n: int, kept_fraction: float, multiple_of: int = 1) -> int:
     return max(multiple_of, min(m, n))
 
 
-def kept_rows_for_token_budget(p: torch.Tensor, costs: torch.Tensor, budget: float, n_max: int) -> int:
-    """Number of draws whose expected cost fits a token budget: m = floor(budget / Σ_i p_i c_i), in [1, n_max]."""
-    expected = float((p.double() * _clean_costs(costs).double()).sum())
-    m = int(budget // expected) if expected > 0 else n_max
-    return max(1, min(m, n_max))
+def expected_kept_cost(p: torch.Tensor, costs: torch.Tensor, m: int, filler: torch.Tensor | None = None) -> float:
+    """E[Σ_kept c_i] = Σ_i π_i(m) c_i of the systematic draw of m rows (`draw_systematic` keeps row i with probability
+    exactly π_i = `inclusion_probabilities(p, m, filler)`, filler rows included)."""
+    return float((inclusion_probabilities(p, m, filler) * _clean_costs(costs).double()).sum())
+
+
+def kept_rows_for_token_budget(
+    p: torch.Tensor, costs: torch.Tensor, budget: float, n_max: int, filler: torch.Tensor | None = None
+) -> int:
+    """The largest m in [1, n_max] whose expected kept cost stays within the budget:
+
+        Σ_i π_i(m) c_i ≤ budget,   π(m) = inclusion_probabilities(p, m, filler),
+
+    exact for the systematic draw (`expected_kept_cost`), however skewed the batch: rows whose m p_i reaches 1 are
+    kept for sure and count in full. The expected cost grows with m (each π_i(m) does), so a bisection finds it. When
+    even one row costs more in expectation than the budget, m = 1 (the draw keeps at least one row)."""
+    n_max = min(int(n_max), p.numel())
+    lo, hi = 1, n_max  # invariant: the answer lies in [lo, hi]
+    if expected_kept_cost(p, costs, hi, filler) <= budget:
+        return hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if expected_kept_cost(p, costs, mid, filler) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def capped_kept_count(m: int, informative_max: int, multiple_of: int = 1) -> int:
