@@ -137,3 +137,18 @@ def test_the_face_is_where_a_trl_user_looks(name):
 
     assert name in trl_costaware.__all__
     assert (PACKAGE / ("trainer.py" if "Trainer" in name else "config.py")).exists()
+
+
+def test_docs_state_what_the_code_does():
+    """Cheap checks of statements issue 54 found stale: the proxy's γ, a removed metric, the ESS's module, the token
+    budget's rule."""
+    from pathlib import Path
+
+    from trl_costaware.rows.proxy import DEFAULT_GAMMA
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    assert DEFAULT_GAMMA == 0.5 and "γ is a constant of the package, ½" in (docs / "budget_and_proxy.md").read_text()
+    assert "grad_clipped" not in (docs / "trainer.md").read_text()
+    assert "ESS, kept" not in (docs / "architecture.md").read_text()
+    for name in ("budget_and_proxy.md", "trainer.md", "distributed.md"):
+        assert "budget / E_p[c]" not in (docs / name).read_text(), name

@@ -3,6 +3,7 @@
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +86,23 @@ def test_cache_reuse_and_seed(tmp_path):
     assert other != path
     # No temporary build directories left behind.
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+
+
+def test_cache_removes_the_temporary_folders_of_a_killed_build(tmp_path):
+    """A build killed before its rename leaves `.{name}.tmp-*` behind; the next build of that name removes it (and
+    only its own name's)."""
+    from trl_costaware.embedded._cache import cached_build
+
+    for stale in (".model.tmp-abc123", ".model.tmp-def456", ".other.tmp-xyz"):
+        (tmp_path / stale).mkdir()
+        (tmp_path / stale / "model.safetensors").write_bytes(b"0" * 1024)
+
+    def build(folder):
+        Path(folder, "config.json").write_text("{}")
+
+    path = cached_build(tmp_path, "model", build)
+    assert Path(path, "config.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tmp-" in p.name) == [".other.tmp-xyz"]
 
 
 def test_cache_dir_from_env(tmp_path, monkeypatch):

@@ -409,3 +409,15 @@ def test_real_model_lora_smoke_run(smollm2_path, tmp_path):
     )
     assert moved > 0
     assert torch.isfinite(torch.tensor(rewards)).all()
+
+
+def test_the_submodule_imports_as_a_module():
+    """`import trl_costaware.embedded.smollm2 as m` gives the module (the package exports the loader as
+    `smollm2_path`, so its attribute `smollm2` stays the submodule)."""
+    import types
+
+    import trl_costaware.embedded.smollm2 as m
+    from trl_costaware import embedded
+
+    assert isinstance(m, types.ModuleType) and callable(m.smollm2)
+    assert embedded.smollm2_path is m.smollm2

@@ -110,13 +110,35 @@ def test_greedy_is_exact_with_equal_bounds():
         assert sorted(greedy.dropped.tolist()) == sorted(np.argsort(-c, kind="stable")[: greedy.dropped.size].tolist())
 
 
-def test_greedy_is_exact_when_the_budget_is_used_up():
+def test_greedy_is_exact_when_the_certificate_is_met():
     c = np.array([10.0, 8.0, 6.0, 4.0, 2.0])
     g = np.array([1.0, 2.0, 1.0, 1.0, 1.0])
     rep = greedy_subset(c, g, bias_budget=3.0 / 5)  # drops rows 0 and 1: Σ G = 3 = nΓ exactly
     assert rep.dropped.tolist() == [0, 1] and rep.bias_bound == pytest.approx(0.6)
     assert rep.cost_factor_after == pytest.approx(exact_subset(c, g, 3.0 / 5).cost_factor_after)
     assert rep.cost_factor_lower_bound == pytest.approx(rep.cost_factor_after)
+
+
+def test_a_budget_used_up_exactly_does_not_make_greedy_exact():
+    """Issue 54's counterexample to the old docstring: greedy uses the budget up (0.5 + 0.5 = nΓ = 1) and is not
+    optimal; the LP certificate still bounds the optimum from below."""
+    c, g = np.array([100.0, 99.0, 1.0]), np.array([0.5, 0.6, 0.5])
+    greedy, exact = greedy_subset(c, g, 1 / 3), exact_subset(c, g, 1 / 3)
+    assert greedy.bias_bound == pytest.approx(1 / 3) and greedy.dropped.tolist() == [0, 2]
+    assert greedy.cost_factor_after == pytest.approx(0.6**2 * 99) and exact.cost_factor_after == pytest.approx(30.25)
+    assert greedy.cost_factor_lower_bound <= exact.cost_factor_after < greedy.cost_factor_after
+
+
+def test_select_subset_refuses_a_bool_budget_and_an_empty_result():
+    ds = Dataset.from_dict({"c": [10.0, 20.0, 30.0], "g": [1.0, 1.0, 1.0]})
+    with pytest.raises(TypeError, match="bias_budget"):
+        select_subset(ds, costs="c", bounds="g", bias_budget=True)
+    with pytest.raises(TypeError, match="bias_budget"):
+        greedy_subset([1.0], [1.0], np.bool_(False))
+    with pytest.raises(ValueError, match="drops every row"):
+        select_subset(ds, costs="c", bounds="g", bias_budget=1.0)  # Γ = mean G: every row fits the budget
+    kept, _ = select_subset(ds, costs="c", bounds="g", bias_budget=0.99)
+    assert len(kept) == 1
 
 
 def test_the_greedy_rule_worked_example():

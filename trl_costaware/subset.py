@@ -20,8 +20,11 @@ the same order plus a fraction of the first one, k, that does not fit; its dropp
 
     √J_K(greedy) − v_k  ≤  V − D_LP  ≤  √J_K(R*)  ≤  √J_K(greedy),
 
-so greedy is within one example's value v_k = G_k √c_k of the optimum in √(cost factor), and exact when the budget is
-used up exactly or all G_i are equal. `SubsetReport.cost_factor_lower_bound` = (V − D_LP)² is this certificate. On a
+so greedy is within one example's value v_k = G_k √c_k of the optimum in √(cost factor). That is the bound it has:
+`SubsetReport.cost_factor_lower_bound` = (V − D_LP)² certifies it per selection, and greedy is exact when the
+certificate is met (cost factor = lower bound; always when all G_i are equal). Using the budget up exactly is not
+enough: c = [100, 99, 1], G = [0.5, 0.6, 0.5], Γ = 1/3 (budget 1) has greedy drop 100 and 1 (J_K 35.64) where dropping
+99 alone gives 30.25. On a
 large data set one example is a negligible part of V; on a few dozen examples the ratio J_K(greedy)/J_K(optimum) can
 be large when the optimum keeps almost nothing: `exact_subset` enumerates the subsets there.
 
@@ -109,6 +112,8 @@ def _arrays(costs, bounds, bias_budget: float, n: int | None) -> tuple[np.ndarra
         raise ValueError("costs must be finite and positive")
     if not (np.all(np.isfinite(g)) and np.all(g >= 0)):
         raise ValueError("bounds must be finite and non-negative")
+    if isinstance(bias_budget, bool | np.bool_):  # float(True) would pass as Γ = 1
+        raise TypeError(f"bias_budget must be a number (Γ, in the units of G), got {bias_budget!r}")
     bias_budget = float(bias_budget)
     if not (math.isfinite(bias_budget) and bias_budget >= 0):
         raise ValueError(f"bias_budget must be finite and non-negative, got {bias_budget}")
@@ -257,7 +262,14 @@ def select_subset(
         drop_zero_bound: drop the rows with G_i = 0 (they carry no gradient signal, so dropping them adds no bias).
 
     A row whose cost or bound is NaN has no estimate (e.g. a prompt the pilot run did not see): it is kept, takes no
-    part in the selection, and still counts in n. Returns ``(dataset.select(report.kept), report)``.
+    part in the selection, and still counts in n. Returns ``(dataset.select(report.kept), report)``; a selection that
+    would keep no row (Γ at or above the mean G drops everything) raises a ValueError instead.
+
+    What greedy guarantees: the kept cost factor is within one example of the optimum in its square root, and the
+    report's `cost_factor_lower_bound` (Dantzig's LP relaxation) is below every feasible selection's cost factor, so
+    `cost_factor_after / cost_factor_lower_bound` bounds how far this selection can be from the optimum. It is not
+    exact in general, even when the budget is used up exactly (module docstring); `method="exact"` is, on up to
+    `EXACT_MAX_EXAMPLES` rows with G > 0.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -268,6 +280,12 @@ def select_subset(
     solve = greedy_subset if method == "greedy" else exact_subset
     inner = solve(c[rows], g[rows], bias_budget, n=len(dataset), drop_zero_bound=drop_zero_bound)
     unestimated = np.flatnonzero(missing).astype(np.int64)
+    if inner.kept.size + unestimated.size == 0:
+        raise ValueError(
+            f"select_subset: bias_budget={inner.bias_budget:g} drops every row (the mean bound is "
+            f"{float(np.mean(g[rows])) if rows.size else 0.0:g}, and Γ at or above it lets every row go): nothing "
+            "would be left to train on. Use a smaller bias_budget."
+        )
     report = replace(
         inner,
         kept=np.union1d(rows[inner.kept], unestimated).astype(np.int64),

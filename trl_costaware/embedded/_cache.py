@@ -38,13 +38,17 @@ def cached_build(root: Path, name: str, build: Callable[[str], None]) -> str:
     """Return ``root/name``, calling ``build(tmp_dir)`` first if it does not exist yet.
 
     The entry is written into a temporary sibling and renamed into place, so a reader never sees a half-written
-    directory; a lock file makes concurrent processes wait for one build instead of all building.
+    directory; a lock file makes concurrent processes wait for one build instead of all building. Temporary
+    siblings of `name` left by a build that was killed (``.{name}.tmp-*``; 517 MB for SmolLM2) are removed under the
+    lock, where no build of `name` can be running.
     """
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
     if (final / _COMPLETE).exists():
         return str(final)
     with _file_lock(root / f".{name}.lock"):
+        for stale in root.glob(f".{name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         if (final / _COMPLETE).exists():  # built by another process while we waited
             return str(final)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
