@@ -26,7 +26,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
-from trl_costaware.rows.deferred import TRL_SCORING_CODE, deferred_passes, placeholder_passes
+from trl_costaware.rows.deferred import deferred_passes, scoring_window
 from trl_costaware.rows.plan import Plan
 from trl_costaware.trainer import STATE_FILE
 
@@ -603,30 +603,41 @@ def test_user_code_during_scoring_gets_real_log_probs(tmp_path, tiny_model_path,
     assert math.isfinite(last_metric(trainer, "loss"))
 
 
-def trl_body(host, ids):
-    """Stands for TRL's scoring function: the placeholder recognises its caller by code object."""
-    return host._get_per_token_logps_and_entropies(None, ids, ids, 3)[0]
-
-
-def test_placeholder_only_for_trls_scoring_calls():
-    """Inside `deferred.placeholder_passes`, a call made from TRL's scoring function gets the NaN placeholder; any
-    other call gets the method itself; afterwards the class method is back."""
-
-    class Host:
-        def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
-            return torch.zeros(input_ids.size(0), logits_to_keep), None, None
-
-    host = Host()
+def test_placeholder_only_between_generation_and_rewards(tmp_path, tiny_model_path, dataset):
+    """Inside `deferred.scoring_window`, `_get_per_token_logps_and_entropies` gives the NaN placeholder only after
+    `_generate` has returned and before `_calculate_rewards`: generation and reward functions get real values, and
+    outside the window (the trainer's own deferred passes, the loss) every call is real. No stack inspection."""
+    trainer = make_trainer(tiny_model_path, tmp_path, dataset=dataset, max_completion_length=4)
     ids = torch.ones(2, 5, dtype=torch.long)
-    assert TRL_SCORING_CODE is inspect.unwrap(GRPOTrainer._generate_and_score_completions).__code__
-    with placeholder_passes(host):
-        assert torch.equal(host._get_per_token_logps_and_entropies(None, ids, ids, 3)[0], torch.zeros(2, 3))
-        assert torch.equal(trl_body(host, ids), torch.zeros(2, 3))  # not TRL's code: real values
-        with unittest.mock.patch("trl_costaware.rows.deferred.TRL_SCORING_CODE", trl_body.__code__):
-            assert torch.isnan(trl_body(host, ids)).all()
-            assert torch.equal(host._get_per_token_logps_and_entropies(None, ids, ids, 3)[0], torch.zeros(2, 3))
-    assert "_get_per_token_logps_and_entropies" not in vars(host)
-    assert torch.equal(trl_body(host, ids), torch.zeros(2, 3))
+    model = trainer.model
+
+    def call():
+        return trainer._get_per_token_logps_and_entropies(model, ids, torch.ones_like(ids), 3)[0]
+
+    real = {"generate": None, "rewards": None}
+    with unittest.mock.patch.object(GRPOTrainer, "_generate", lambda self, *a, **k: real.update(generate=call())):
+        with unittest.mock.patch.object(
+            GRPOTrainer, "_calculate_rewards", lambda self, *a, **k: real.update(rewards=call())
+        ):
+            assert torch.isfinite(call()).all() and trainer._deferring is None
+            with scoring_window(trainer):
+                assert torch.isfinite(call()).all()  # before generation
+                trainer._generate([])
+                assert torch.isnan(call()).all()  # TRL's passes
+                trainer._calculate_rewards([], [], [], [])
+                assert torch.isfinite(call()).all()  # after the rewards
+            assert trainer._deferring is None and torch.isfinite(call()).all()
+    assert torch.isfinite(real["generate"]).all() and torch.isfinite(real["rewards"]).all()
+
+
+def test_trl_runs_its_passes_between_generate_and_rewards():
+    """Drift guard for `scoring_window`: TRL's scoring calls `self._generate(` once, then its log-prob passes, then
+    `self._calculate_rewards(`."""
+    source = inspect.getsource(GRPOTrainer._generate_and_score_completions)
+    gen, rewards = source.index("self._generate("), source.index("self._calculate_rewards(")
+    passes = [i for i in range(len(source)) if source.startswith("self._get_per_token_logps_and_entropies(", i)]
+    assert source.count("self._generate(") == 1 and source.count("self._calculate_rewards(") == 1
+    assert passes and all(gen < i < rewards for i in passes)
 
 
 @pytest.mark.slow
@@ -693,3 +704,8 @@ def test_the_counters_gather_sends_the_same_keys_with_or_without_a_plan(tmp_path
         assert totals["rows_kept"] == 0
     else:
         assert totals["policy_tokens"] < totals["rollout_tokens"]
+
+
+def test_model_card_cites_the_cost_aware_paper():
+    assert CostAwareGRPOTrainer._paper["id"] == "2604.28020" != GRPOTrainer._paper["id"]
+    assert "Cost-Aware Learning" in CostAwareGRPOTrainer._paper["citation"]

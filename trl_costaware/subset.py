@@ -265,11 +265,9 @@ def select_subset(
     part in the selection, and still counts in n. Returns ``(dataset.select(report.kept), report)``; a selection that
     would keep no row (Γ at or above the mean G drops everything) raises a ValueError instead.
 
-    What greedy guarantees: the kept cost factor is within one example of the optimum in its square root, and the
-    report's `cost_factor_lower_bound` (Dantzig's LP relaxation) is below every feasible selection's cost factor, so
-    `cost_factor_after / cost_factor_lower_bound` bounds how far this selection can be from the optimum. It is not
-    exact in general, even when the budget is used up exactly (module docstring); `method="exact"` is, on up to
-    `EXACT_MAX_EXAMPLES` rows with G > 0.
+    Greedy's bound is the LP certificate: `report.cost_factor_lower_bound` is below every feasible selection's cost
+    factor, so cost_factor_after / cost_factor_lower_bound bounds its distance to the optimum; it is not exact in
+    general, even with the budget used up exactly (module docstring). `method="exact"` is exact.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")

@@ -20,7 +20,7 @@ from trl.trainer.utils import use_adapter
 
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .rows.batching import noop_micro_batch, row_lengths, select_rows, trim_to_longest
-from .rows.deferred import DEFERRED_KEYS, VLLM_METRICS, deferred_passes, placeholder_passes, ratio_stats
+from .rows.deferred import DEFERRED_KEYS, VLLM_METRICS, deferred_passes, placeholder_logps, ratio_stats, scoring_window
 from .rows.layout import kept_multiple, layout_for, micro_token_factor
 from .rows.packed import (
     BETA_SCALE_KEY,
@@ -100,6 +100,13 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "grpo", "cost-aware"]
     _name = "CostAwareGRPO"
+    _paper = {  # the model card cites this paper, not GRPO's
+        "title": "Cost-Aware Learning",
+        "id": "2604.28020",
+        "citation": "@article{mohri2026costaware,\n    title  = {{Cost-Aware Learning}},\n    author = {Mehryar Mohri "
+        "and Amir Globerson and Haim Kaplan and Tomer Koren and Yishay Mansour},\n    year   = 2026,\n    eprint = "
+        "{arXiv:2604.28020}\n}",
+    }
 
     def __init__(
         self,
@@ -167,6 +174,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             "rows_kept": 0.0,
         }
         self._processed_buffer = None
+        self._deferring = None  # TRL's log-prob passes are deferred while True (`deferred.scoring_window`)
         self._batch_plan = None  # the plan of the latest generation batch (None: a subclass's own draw)
         self._kept_host = None  # host statistics of its kept rows, by kept position
         self._buffer_kl_scale = None  # β multiplier of the buffer being trained on (batch-token losses)
@@ -186,7 +194,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             batch = super()._generate_and_score_completions(inputs)
             self._record_generation(batch)
             return batch
-        with placeholder_passes(self):
+        with scoring_window(self):
             batch = super()._generate_and_score_completions(inputs)
         for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
             batch.pop(key, None)
@@ -202,6 +210,25 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         batch["cost_aware_rows"] = list(range(len(kept)))
         self._kept_batch = batch  # all m rows: TRL's split drops the last m mod S (the packed layout keeps them)
         return batch
+
+    # The deferred passes (`deferred.scoring_window`): TRL's log-prob passes between generation and the rewards.
+    def _generate(self, *args, **kwargs):
+        out = super()._generate(*args, **kwargs)
+        if self._deferring is False:  # inside the window: TRL's passes come next
+            self._deferring = True
+        return out
+
+    def _calculate_rewards(self, *args, **kwargs):
+        if self._deferring:
+            self._deferring = False
+        return super()._calculate_rewards(*args, **kwargs)
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        if getattr(self, "_deferring", False):
+            return placeholder_logps(input_ids, logits_to_keep)
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
+        )
 
     def _row_costs(self, batch) -> torch.Tensor:
         if self._cost_fn is not None:

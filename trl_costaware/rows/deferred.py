@@ -1,22 +1,16 @@
 """The deferred no-grad log-prob passes: while TRL scores a generation batch, its old-policy and reference passes
-return a placeholder (`placeholder_passes`, the one place that inspects a stack frame); the trainer runs them
+return a placeholder (`scoring_window`, `placeholder_logps`: a flag the trainer sets between generation and the
+rewards, no stack inspection); the trainer runs them
 afterwards on the kept micro-batches only (`CostAwareGRPOTrainer._compute_deferred_logps`), and with vLLM's
 importance-sampling correction forms the ratio (and TRL's five vLLM metrics) over the kept rows (`ratio_stats`).
 """
 
 from __future__ import annotations
 
-import inspect
 import math
-import sys
 from contextlib import contextmanager
 
 import torch
-from trl import GRPOTrainer
-
-# The code object of TRL's scoring function: its direct calls to `_get_per_token_logps_and_entropies` are the passes
-# that are deferred.
-TRL_SCORING_CODE = inspect.unwrap(GRPOTrainer._generate_and_score_completions).__code__
 
 # Entries of TRL's scored batch that the cost-aware trainer recomputes per kept micro-batch (placeholders until then).
 DEFERRED_KEYS = ("old_per_token_logps", "ref_per_token_logps", "importance_sampling_ratio")
@@ -31,33 +25,25 @@ VLLM_METRICS = (
 
 
 @contextmanager
-def placeholder_passes(trainer):
-    """While TRL scores a generation batch, its no-grad log-prob passes (old policy, reference) return a NaN
-    placeholder instead of running: the trainer runs them afterwards on the kept rows only. With the vLLM
-    importance-sampling correction, TRL forms its ratio from the placeholder: NaN differences count as 0 there, so that
-    ratio is 1 and cheap; the trainer drops it (`DEFERRED_KEYS`) and forms it again per kept micro-batch.
-
-    Only TRL's own calls get the placeholder: those made directly from the body of
-    `GRPOTrainer._generate_and_score_completions` (the caller's code object is checked). Anything else that runs
-    meanwhile (reward functions, `rollout_func`, an environment) and calls `_get_per_token_logps_and_entropies` gets
-    the real pass. Should TRL move its passes into a helper, they would simply run (correct, not deferred): the drift
-    guard tests/test_trainer.py::test_dropped_rows_never_reach_a_forward then fails."""
-    saved = vars(trainer).get("_get_per_token_logps_and_entropies")
-    real = trainer._get_per_token_logps_and_entropies  # what any other caller gets, unchanged
-
-    def placeholder(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if sys._getframe(1).f_code is not TRL_SCORING_CODE:  # a reward function, rollout_func, ...: real values
-            return real(model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
-        nan = torch.full((), math.nan, device=input_ids.device)
-        return nan.expand(input_ids.size(0), logits_to_keep), None, None
-
-    trainer._get_per_token_logps_and_entropies = placeholder
+def scoring_window(trainer):
+    """Around TRL's `_generate_and_score_completions`: `trainer._deferring` (None outside, False inside) is set by
+    the trainer's `_generate` once generation has returned and cleared by its `_calculate_rewards` before any reward
+    function runs: only TRL's log-prob passes between the two get `placeholder_logps`. Should TRL stop calling
+    `_generate` there, the passes run (correct, not deferred) and test_dropped_rows_never_reach_a_forward fails."""
+    trainer._deferring = False
     try:
         yield
-    finally:  # back to the class method, or to whatever instance attribute was there before
-        vars(trainer).pop("_get_per_token_logps_and_entropies", None)
-        if saved is not None:
-            trainer._get_per_token_logps_and_entropies = saved
+    finally:
+        trainer._deferring = None
+
+
+def placeholder_logps(input_ids: torch.Tensor, logits_to_keep: int):
+    """What a deferred pass returns: NaN log-probs of the right shape (an expanded 0-dim tensor: no memory), no
+    entropies. With the vLLM importance-sampling correction TRL forms its ratio from them: NaN differences count as 0
+    there, so that ratio is 1 and cheap; the trainer drops it (`DEFERRED_KEYS`) and forms it again per kept
+    micro-batch."""
+    nan = torch.full((), math.nan, device=input_ids.device)
+    return nan.expand(input_ids.size(0), logits_to_keep), None, None
 
 
 def deferred_passes(

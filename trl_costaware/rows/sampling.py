@@ -385,13 +385,9 @@ def expected_kept_cost(p: torch.Tensor, costs: torch.Tensor, m: int, filler: tor
 def kept_rows_for_token_budget(
     p: torch.Tensor, costs: torch.Tensor, budget: float, n_max: int, filler: torch.Tensor | None = None
 ) -> int:
-    """The largest m in [1, n_max] whose expected kept cost stays within the budget:
-
-        Σ_i π_i(m) c_i ≤ budget,   π(m) = inclusion_probabilities(p, m, filler),
-
-    exact for the systematic draw (`expected_kept_cost`), however skewed the batch: rows whose m p_i reaches 1 are
-    kept for sure and count in full. The expected cost grows with m (each π_i(m) does), so a bisection finds it. When
-    even one row costs more in expectation than the budget, m = 1 (the draw keeps at least one row)."""
+    """The largest m in [1, n_max] with Σ_i π_i(m) c_i ≤ budget, π(m) = inclusion_probabilities(p, m, filler): the
+    systematic draw's expected kept cost, exactly, however skewed the batch (rows at π_i = 1 count in full). It grows
+    with m, so a bisection finds m; 1 when even one row costs more than the budget in expectation."""
     n_max = min(int(n_max), p.numel())
     lo, hi = 1, n_max  # invariant: the answer lies in [lo, hi]
     if expected_kept_cost(p, costs, hi, filler) <= budget:
