@@ -390,6 +390,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                 self._compute_deferred_logps(c)
         real = [c for c in chunks if not c.get(NOOP_KEY)]
         self._buffer_kl_scale = plan.kl_scale if plan is not None else None
+        # TRL-private write 1 of 5: TRL's `_prepare_inputs` indexes its `_buffered_inputs` by `_step` and has no hook
+        # between its split and that index; the trainer's micro-batches (packed, trimmed) replace the buffer once.
         self._buffered_inputs = self._processed_buffer = chunks
         passes = self.num_iterations  # each micro-batch is trained on once per iteration
         # Tokens through the model with gradients on (shapes: no transfer); a no-op counts where it runs the model.
@@ -518,6 +520,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             wire = self.accelerator.gather(wire.to(device))
         wire = wire.cpu()
         r = wire[:, :7].to(torch.int32).view(torch.float32).double()
+        # TRL-private write 2 of 5: TRL appended these five from the deferred (placeholder) pass, with no way to
+        # recompute them; their latest values are replaced by the kept rows' values.
         metrics = self._metrics["train"]
         for key, value in zip(VLLM_METRICS, vllm_metrics(r), strict=True):
             if metrics[key]:
@@ -545,6 +549,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                 self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients
             ):
                 return torch.zeros((), device=inputs["completion_ids"].device, requires_grad=True)
+            # TRL-private write 3 of 5: TRL's `_compute_loss` appends its metrics unconditionally; a no-op micro-step
+            # that must run the model (DeepSpeed, a syncing DDP step) would log a micro-batch that trains nothing.
             metrics = self._metrics["train"]
             before = {key: len(values) for key, values in metrics.items()}
             loss = super()._compute_loss(model, inputs)
@@ -560,6 +566,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         scale = (self._buffer_kl_scale or 1.0) * inputs.get(BETA_SCALE_KEY, 1.0)
         if scale == 1.0 or self.beta == 0.0:
             return super()._compute_loss(model, inputs)
+        # TRL-private write 4 of 5: TRL's `_compute_loss` reads β from `self.beta` only (no argument, no per-batch
+        # key), so the per-micro-batch β multiplier is applied by setting it around the call and restoring it.
         beta = self.beta
         self.beta = beta * scale
         try:
@@ -579,6 +587,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         tokens = [summed[f"t{k}"] for k in range(len(weights))]
         rows = [summed[f"r{k}"] for k in range(len(weights))]
         per_row = self.args.importance_sampling_level == "sequence"
+        # TRL-private write 5 of 5: TRL averages its per-micro-batch metric means unweighted at `log`; packed
+        # micro-batches are unequal, so the window's entries are replaced by their token-weighted mean first.
         token_weighted_means(self._metrics["train"], tokens, rows, per_row)
 
     # ------------------------------------------------------------------ logging
