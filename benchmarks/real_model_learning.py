@@ -162,12 +162,13 @@ class Evaluator:
         ds = times_table_dataset(n, seed=EVAL_SEED)
         self.answers = [float(a) for a in ds["answer"]]
         self.problems = [(int(a), int(b)) for a, b in zip(ds["a"], ds["b"], strict=True)]
-        self.prompts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in ds["prompt"]]
+        self.prompts = [
+            tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in ds["prompt"]
+        ]
         self.tokenizer, self.samples, self.cap, self.batch_size = tokenizer, samples, cap, batch_size
         self.eos = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
 
     def _scores(self, model, prompts: list[str], answers: list[float], do_sample: bool) -> tuple[list[float], int]:
-        import torch
 
         from trl_costaware.embedded.times_table import final_number
 
@@ -176,10 +177,21 @@ class Evaluator:
         scores, tokens = [], 0
         try:
             for start in range(0, len(prompts), self.batch_size):
-                enc = tok(prompts[start : start + self.batch_size], return_tensors="pt", padding=True, add_special_tokens=False)
-                kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
+                enc = tok(
+                    prompts[start : start + self.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    add_special_tokens=False,
+                )
+                kwargs = (
+                    dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample else dict(do_sample=False)
+                )
                 out = model.generate(
-                    **enc, max_new_tokens=self.cap, pad_token_id=tok.pad_token_id, eos_token_id=sorted(self.eos), **kwargs
+                    **enc,
+                    max_new_tokens=self.cap,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=sorted(self.eos),
+                    **kwargs,
                 )
                 for row, answer in zip(out[:, enc["input_ids"].shape[1] :].tolist(), answers[start:], strict=False):
                     ends = [k for k, t in enumerate(row) if t in self.eos]
@@ -207,7 +219,9 @@ class Evaluator:
             sampled, tokens = self._scores(model, prompts, answers, do_sample=True)
             greedy, _ = self._scores(model, self.prompts, self.answers, do_sample=False)
         model.train(was_training)
-        per_problem = [sum(sampled[i * self.samples : (i + 1) * self.samples]) / self.samples for i in range(len(self.answers))]
+        per_problem = [
+            sum(sampled[i * self.samples : (i + 1) * self.samples]) / self.samples for i in range(len(self.answers))
+        ]
         return {
             "score": sum(sampled) / len(sampled),
             "greedy": sum(greedy) / len(greedy),
@@ -422,7 +436,9 @@ def claimed(out: str, name: str):
     yield False
 
 
-def drive(arms: list[str], seeds: list[int], out: str, results: str, smoke: bool, steps: int | None = None) -> list[str]:
+def drive(
+    arms: list[str], seeds: list[int], out: str, results: str, smoke: bool, steps: int | None = None
+) -> list[str]:
     """Run every (seed, arm) not finished, seed by seed, each in its own process; return the names run here."""
     ran = []
     for seed in seeds:
@@ -450,7 +466,9 @@ def drive(arms: list[str], seeds: list[int], out: str, results: str, smoke: bool
 
 # ====================================================================================================== command line
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms ({', '.join(ARMS)})")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds (default 0,1,2)")
     parser.add_argument("--out", default=OUT_DIR, help="running logs and checkpoints (default outputs/bench/...)")

@@ -113,7 +113,7 @@ def interval(values: list[float], seed: int = 0) -> dict:
     return out
 
 
-# ====================================================================================================== generation side
+# ================================================================================================= generation side
 def auc(scores: list[float], labels: list[int]) -> float | None:
     """ROC AUC (Mann-Whitney, ties count one half); None without both classes."""
     pos = [s for s, y in zip(scores, labels, strict=True) if y]
@@ -132,7 +132,7 @@ def precision_at_recall(scores: list[float], labels: list[int], recall: float = 
         return None
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     caught = 0
-    for k, i in enumerate(order, 1):
+    for i in order:
         caught += labels[i]
         if caught >= recall * total_pos:
             threshold = scores[i]
@@ -159,7 +159,9 @@ def generation_side(runs: list[dict], window: int = 5) -> dict:
     for run in runs:
         history: dict[tuple[int, int], list[dict]] = {}
         for g in sorted(run["groups"], key=lambda r: r["step"]):
-            w = by_window.setdefault((g["step"] - 1) // window, {"groups": 0, "flat": 0, "tokens": 0, "flat_tokens": 0})
+            w = by_window.setdefault(
+                (g["step"] - 1) // window, {"groups": 0, "flat": 0, "tokens": 0, "flat_tokens": 0}
+            )
             flat = no_gradient(g)
             w["groups"] += 1
             w["flat"] += flat
@@ -222,7 +224,9 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
     start = sum(curves[(BASELINE, s)][0]["score"] for s in base_seeds) / len(base_seeds)
     end = sum(curves[(BASELINE, s)][-1]["score"] for s in base_seeds) / len(base_seeds)
     out["start"], out["grpo_end"] = start, end
-    out["grpo_gain"] = interval([curves[(BASELINE, s)][-1]["score"] - curves[(BASELINE, s)][0]["score"] for s in base_seeds])
+    out["grpo_gain"] = interval(
+        [curves[(BASELINE, s)][-1]["score"] - curves[(BASELINE, s)][0]["score"] for s in base_seeds]
+    )
     out["grpo_end_greedy"] = interval([curves[(BASELINE, s)][-1]["greedy"] for s in base_seeds])
     out["start_greedy"] = curves[(BASELINE, base_seeds[0])][0]["greedy"]
     xs = ["step", "policy_tokens", "seconds"] + [f"compute_{k}" for k in SPLITS]
@@ -240,7 +244,11 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
                     if (BASELINE, seed) in curves:
                         b = cost_to(curves[(BASELINE, seed)], target, x)
                         ratios.append(c / b if c is not None and b else None)
-                row[x] = {"by_seed": costs, "ratio": interval(ratios), "not_reached": [s for s, c in costs.items() if c is None]}
+                row[x] = {
+                    "by_seed": costs,
+                    "ratio": interval(ratios),
+                    "not_reached": [s for s, c in costs.items() if c is None],
+                }
             table[arm] = row
         out["targets"][f"{frac:g}"] = {"target": target, "arms": table}
     out["end"] = {}
@@ -325,8 +333,10 @@ def report(s: dict) -> str:
         lines.append("")
     lines.append("## End of the runs")
     lines.append("")
-    lines.append("| arm | score | greedy | Δ at equal steps | Δ at equal compute (gpu) | Δ at equal CPU seconds | "
-                 "step s | generation s | update share | policy tokens / step | commits |")
+    lines.append(
+        "| arm | score | greedy | Δ at equal steps | Δ at equal compute (gpu) | Δ at equal CPU seconds | "
+        "step s | generation s | update share | policy tokens / step | commits |"
+    )
     lines.append("|---|" + "---|" * 10)
     for arm, e in s["end"].items():
         lines.append(
@@ -346,10 +356,15 @@ def report(s: dict) -> str:
     lines.append("| steps | groups | no-gradient share | their token share |")
     lines.append("|---|---|---|---|")
     for w in g["windows"]:
-        lines.append(f"| {w['steps']} | {w['groups']} | {w['no_gradient_share']:.2f} | {w['no_gradient_token_share']:.2f} |")
+        lines.append(
+            f"| {w['steps']} | {w['groups']} | {w['no_gradient_share']:.2f} | {w['no_gradient_token_share']:.2f} |"
+        )
     lines.append("")
     if g["predicted_groups"]:
-        for key, label in (("earlier_share", "share of earlier groups without gradient"), ("bernoulli", "p^G + (1-p)^G")):
+        for key, label in (
+            ("earlier_share", "share of earlier groups without gradient"),
+            ("bernoulli", "p^G + (1-p)^G"),
+        ):
             at = g[f"at_half_recall_{key}"]
             auc_v = g[f"auc_{key}"]
             lines.append(
@@ -365,7 +380,11 @@ def report(s: dict) -> str:
             f"{g['predicted_positive_share']:.2f} of them without gradient)"
         )
     ch = s["core_hours"]
-    lines += ["", f"Core-hours of the finished runs: {ch['total']:.1f} ({ch['train']:.1f} training, {ch['eval']:.1f} evaluation)."]
+    lines += [
+        "",
+        f"Core-hours of the finished runs: {ch['total']:.1f} ({ch['train']:.1f} training, "
+        f"{ch['eval']:.1f} evaluation).",
+    ]
     return "\n".join(lines)
 
 
@@ -392,13 +411,15 @@ def plot(s: dict, path: str) -> None:
                 mx = [sum(p[i][x] for p in per_seed) / len(per_seed) for i in range(n)]
                 my = [sum(p[i]["score"] for p in per_seed) / len(per_seed) for i in range(n)]
                 ax.plot(mx, my, color=color, lw=2, marker="o", ms=3, label=f"{arm} ({len(seeds)} seeds)")
-        for frac, t in s.get("targets", {}).items():
+        for t in s.get("targets", {}).values():
             ax.axhline(t["target"], color="grey", ls=":", lw=0.8)
         ax.set_xlabel(label)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out score (T = 1)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M-Instruct, times tables, LoRA r 16, 8 prompts x 8, cap 64 (mean over seeds, thin: seeds)")
+    fig.suptitle(
+        "SmolLM2-135M-Instruct, times tables, LoRA r 16, 8 prompts x 8, cap 64 (mean over seeds, thin: seeds)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -79,7 +79,11 @@ MODELS = ("smollm2", "default", "long")
 MODES = ("full", "lora")
 LOSS_FAMILIES = ("grpo", "dapo")
 GAMMAS = (0.5, 0.75, 1.0)
-PROXIES = ("uniform", "advantage") + tuple(f"loss_aware γ={g:g}" for g in GAMMAS) + ("oracle",)
+LOGP = "loss_aware logp γ=0.5"  # the package's default γ with the sampler's per-token log-probabilities
+PROXIES = ("uniform", "advantage") + tuple(f"loss_aware γ={g:g}" for g in GAMMAS) + (LOGP, "oracle")
+# The designs whose added noise at kept 0.5 predicts the learning benchmark's steps ratio (`design_noise`).
+DESIGNS = ("uniform", "advantage", "loss_aware γ=0.5", LOGP)
+KEPT, SMOOTHING = 0.5, 0.1
 SMOLLM2_SHAPE = dict(prompts=8, generations=8, max_completion_length=128)
 LORA = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
 
@@ -224,9 +228,11 @@ def interval(values, seed: int = 0) -> dict:
     }
 
 
-def proxy_scores(absa, lengths, loss_type: str) -> dict:
+def proxy_scores(absa, lengths, loss_type: str, token_logps=None) -> dict:
     """name -> proxy G̃ (numpy, over the given rows): uniform (1), advantage (|A|), loss_aware γ (the package's
-    `loss_aware_proxy` on a mask with L_i ones). Oracle is added by the caller."""
+    `loss_aware_proxy` on a mask with L_i ones) and, given `token_logps` (one list of the sampled tokens'
+    log-probabilities per row), `LOGP`: loss_aware γ = 1/2 with each token weighted by 1 − π(y_t). Oracle is added by
+    the caller."""
     import numpy as np
     import torch
 
@@ -247,7 +253,48 @@ def proxy_scores(absa, lengths, loss_type: str) -> dict:
             e = gamma - 1.0 if loss_type == "grpo" else gamma
             proxy = absa * np.where(lengths > 0, lengths, 1.0) ** e * (lengths > 0)
         out[f"loss_aware γ={gamma:g}"] = proxy
+    if token_logps is not None:
+        from trl_costaware.rows.proxy import loss_aware_proxy
+
+        logps = torch.zeros(len(lengths), max(width, 1), dtype=torch.float64)
+        for i, row in enumerate(token_logps):
+            logps[i, : len(row)] = torch.tensor(row, dtype=torch.float64)
+        out[LOGP] = loss_aware_proxy(torch.tensor(absa), mask, loss_type, 0.5, token_logps=logps).numpy()
     return out
+
+
+def design_inclusion(score, c, n_rows: int, kept: float = KEPT, smoothing: float = SMOOTHING):
+    """Inclusion probabilities of the package's draw on the informative rows: p = (1 − α) q + α/|S| with q ∝ G̃/√c on
+    S, m = ⌊kept · n_rows⌋ slots over the whole batch; π_i = min(1, λ p_i) with Σ π_i = min(m, |S|) (systematic PPS
+    has exactly these; slots beyond |S| are zero-gradient fillers)."""
+    import numpy as np
+
+    score, c = np.asarray(score, float), np.asarray(c, float)
+    q = score / np.sqrt(c)
+    q = q / q.sum() if q.sum() > 0 else np.full(len(q), 1.0 / len(q))
+    p = (1 - smoothing) * q + smoothing / len(q)
+    m = min(int(kept * n_rows), len(p))
+    pi = np.zeros_like(p)
+    capped = np.zeros(len(p), bool)
+    for _ in range(len(p)):  # cap at 1 and spread the rest until no π exceeds 1
+        rest = m - capped.sum()
+        free = ~capped
+        pi[capped] = 1.0
+        pi[free] = p[free] * rest / p[free].sum()
+        over = free & (pi > 1.0)
+        if not over.any():
+            break
+        capped |= over
+    return np.clip(pi, 0.0, 1.0)
+
+
+def design_noise(g, pi, n_rows: int) -> float:
+    """The noise a Poisson row sample with inclusion probabilities π adds to the batch-mean gradient (the HT
+    estimator of (1/N) Σ x_i): Σ_i (1 − π_i)/π_i ‖x_i‖² / N², in the units of `noise_split`'s total."""
+    import numpy as np
+
+    g, pi = np.asarray(g, float), np.asarray(pi, float)
+    return float(np.sum((1 - pi) / pi * g**2) / n_rows**2)
 
 
 def batch_figures(rows: dict, loss_type: str, groups: int, generations: int, noise: dict) -> dict:
@@ -261,7 +308,8 @@ def batch_figures(rows: dict, loss_type: str, groups: int, generations: int, noi
     L, c = length[info], cost[info]
     g = absa * s_norm[info] / (L if loss_type == "grpo" else 1.0)
     out = {"rows": len(adv), "informative": int(info.sum())}
-    proxies = proxy_scores(absa, L, loss_type)
+    logps = rows.get("token_logps")
+    proxies = proxy_scores(absa, L, loss_type, None if logps is None else [logps[i] for i in np.flatnonzero(info)])
     corr = {"|A|": absa, "L": L, **{k: v for k, v in proxies.items() if k.startswith("loss_aware")}}
     for name, x in corr.items():
         out[f"pearson {name}"] = pearson(x, g)
@@ -279,12 +327,19 @@ def batch_figures(rows: dict, loss_type: str, groups: int, generations: int, noi
     out["noise within share"] = split["within_share"]
     out["noise rho"] = split["rho"]
     out["noise"] = split
+    # In the units of the split (x_i = A_i s_i for dapo, A_i s_i / L_i for grpo: g above); uniform is G̃ = 1 on S.
+    out["design noise"] = {
+        name: design_noise(g, design_inclusion(proxies[name], c, len(adv)), len(adv))
+        for name in DESIGNS
+        if name in proxies
+    }
     return out
 
 
 # ==================================================================================================== the models
-def model_setup(name: str, quick: bool):
-    """(model path, reward function, dataset builder(n, seed), GRPO settings) of a model name."""
+def model_setup(name: str, quick: bool, cap: int | None = None):
+    """(model path, reward function, dataset builder(n, seed), GRPO settings) of a model name; `cap` overrides
+    SmolLM2's completion cap."""
     base = dict(
         temperature=1.0,
         top_k=0,
@@ -299,17 +354,24 @@ def model_setup(name: str, quick: bool):
         logging_steps=1,
     )
     if name == "smollm2":
-        from trl_costaware.embedded.smollm2 import smollm2
-        from trl_costaware.embedded.times_table import times_table_dataset, times_table_reward
+        from transformers import AutoTokenizer
 
-        shape = dict(SMOLLM2_SHAPE, prompts=4) if quick else SMOLLM2_SHAPE
+        from trl_costaware.embedded.smollm2 import smollm2
+        from trl_costaware.embedded.times_table import make_times_table_reward, times_table_dataset
+
+        path = smollm2()
+        tok = AutoTokenizer.from_pretrained(path)
+        reward = make_times_table_reward([i for i in (tok.eos_token_id, tok.pad_token_id) if i is not None])
+        shape = dict(SMOLLM2_SHAPE, prompts=4) if quick else dict(SMOLLM2_SHAPE)
+        if cap is not None:
+            shape["max_completion_length"] = cap
         settings = {
             **base,
             "per_device_train_batch_size": shape["prompts"] * shape["generations"],
             "num_generations": shape["generations"],
             "max_completion_length": shape["max_completion_length"],
         }
-        return smollm2(), times_table_reward, lambda n, seed: times_table_dataset(n, seed=seed), settings
+        return path, reward, lambda n, seed: times_table_dataset(n, seed=seed), settings
     from trl_costaware.embedded.testbed import get_testbed
 
     tb = get_testbed(name)
@@ -329,12 +391,22 @@ def model_setup(name: str, quick: bool):
     return tb.model_path(), tb.reward, lambda n, seed: tb.dataset(n, seed=seed), settings
 
 
-def make_trainer(name: str, quick: bool, out_dir: str):
+def make_trainer(name: str, quick: bool, out_dir: str, cap: int | None = None, adapter: str | None = None):
+    """TRL's GRPOTrainer on the model; with `adapter` (a LoRA folder, e.g. a checkpoint of the learning benchmark's
+    GRPO run) the policy is the base model with that adapter loaded trainable, and it generates the rollouts."""
     from trl import GRPOConfig, GRPOTrainer
 
-    path, reward, dataset, settings = model_setup(name, quick)
+    path, reward, dataset, settings = model_setup(name, quick, cap)
     config = GRPOConfig(output_dir=out_dir, max_steps=1, seed=0, **settings)
-    trainer = GRPOTrainer(path, [reward], args=config, train_dataset=dataset(8, 0))
+    model = path
+    if adapter is not None:
+        import torch
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = PeftModel.from_pretrained(base, adapter, is_trainable=True)
+    trainer = GRPOTrainer(model, [reward], args=config, train_dataset=dataset(8, 0))
     trainer.current_gradient_accumulation_steps = 1
     return trainer, reward, dataset, settings
 
@@ -378,6 +450,7 @@ def per_row_scores(model, batch: dict) -> dict:
     k, gens = batch["groups"], batch["generations"]
     n = len(adv)
     s_norm = torch.zeros(n, dtype=torch.float64)
+    token_logps: list[list[float]] = [[] for _ in range(n)]
     acc = {lt: {"row_sq": 0.0, "group_sq": [], "total": None} for lt in LOSS_FAMILIES}
     model.eval()
     t0 = time.perf_counter()
@@ -391,8 +464,9 @@ def per_row_scores(model, batch: dict) -> dict:
             c_ids = batch["completion_ids"][i][cmask[i]]  # the mask is a prefix: tokens up to and including EOS
             ids = torch.cat([p_ids, c_ids]).unsqueeze(0)
             logits = model(input_ids=ids).logits[0, len(p_ids) - 1 : -1].float()
-            logp = torch.log_softmax(logits, -1).gather(-1, c_ids.unsqueeze(-1)).sum()
-            grads = torch.autograd.grad(logp, params, allow_unused=True)
+            token_logp = torch.log_softmax(logits, -1).gather(-1, c_ids.unsqueeze(-1)).squeeze(-1)
+            token_logps[i] = token_logp.detach().double().tolist()  # at T = 1, the sampler's own log-probabilities
+            grads = torch.autograd.grad(token_logp.sum(), params, allow_unused=True)
             flat = torch.cat(
                 [(g if g is not None else torch.zeros_like(p)).reshape(-1) for g, p in zip(grads, params, strict=True)]
             )
@@ -421,6 +495,7 @@ def per_row_scores(model, batch: dict) -> dict:
         noise[lt] = {"row_sq": acc[lt]["row_sq"], "group_sq": acc[lt]["group_sq"], "total_sq": total_sq}
     return {
         "s_norm": s_norm.tolist(),
+        "token_logps": token_logps,
         "noise": noise,
         "params": int(sum(p.numel() for p in params)),
         "backward_seconds": time.perf_counter() - t0,
@@ -487,13 +562,24 @@ def rollout_cache(root: str, tag: str, name: str, seed: int, settings: dict) -> 
     return folder
 
 
+def adapter_label(adapter: str) -> str:
+    """A folder name for an adapter path: its last two components (``grpo__s0-step-10`` for
+    ``.../grpo__s0/adapters/step-10``)."""
+    parts = os.path.normpath(os.path.abspath(adapter)).split(os.sep)
+    return f"{parts[-3]}-{parts[-1]}" if len(parts) >= 3 and parts[-2] == "adapters" else parts[-1]
+
+
 def run_model(name: str, args) -> dict:
     """Generate (or load) the batches of `name`, measure full and LoRA per-row gradients, cache each step."""
     import torch
 
     tag = "quick" if args.quick else "full"
-    trainer, reward, dataset, settings = make_trainer(name, args.quick, os.path.join(args.cache, tag, name, "trainer"))
-    cache = rollout_cache(args.cache, tag, name, args.seed, settings)
+    folder = name if args.adapter is None else f"{name}@{adapter_label(args.adapter)}"
+    trainer, reward, dataset, settings = make_trainer(
+        name, args.quick, os.path.join(args.cache, tag, folder, "trainer"), args.cap, args.adapter
+    )
+    key = settings if args.adapter is None else {**settings, "adapter": os.path.abspath(args.adapter)}
+    cache = rollout_cache(args.cache, tag, folder, args.seed, key)
     batches = []
     for b in range(args.batches):
         path = os.path.join(cache, f"rollouts_{b}.pt")
@@ -510,8 +596,8 @@ def run_model(name: str, args) -> dict:
         batches.append(batch)
     model = trainer.model
     result = {"settings": settings, "batches": [], "task": task_properties(batches, settings["max_completion_length"])}
-    for mode in MODES:
-        if mode == "lora":
+    for mode in MODES if args.adapter is None else ("lora",):  # an adapter: its own trainable parameters
+        if mode == "lora" and args.adapter is None:
             from peft import LoraConfig, get_peft_model
 
             torch.manual_seed(args.seed)
@@ -526,8 +612,9 @@ def run_model(name: str, args) -> dict:
                 with open(path, "w", encoding="utf-8") as fh:
                     json.dump(scores, fh)
                 print(f"{name} {mode} batch {b}: {scores['backward_seconds']:.0f}s of backward", flush=True)
-            rows = {**row_record(batch), "s_norm": scores["s_norm"]}
-            entry = {"mode": mode, "batch": b, "rows": rows, "params": scores["params"], "families": {}}
+            rows = {**row_record(batch), "s_norm": scores["s_norm"], "token_logps": scores.get("token_logps")}
+            entry = {"mode": mode, "batch": b, "params": scores["params"], "families": {}}
+            entry["rows"] = {k: v for k, v in rows.items() if k != "token_logps"}
             for lt in LOSS_FAMILIES:
                 entry["families"][lt] = batch_figures(
                     rows, lt, batch["groups"], batch["generations"], scores["noise"][lt]
@@ -539,8 +626,8 @@ def run_model(name: str, args) -> dict:
 # ======================================================================================================= report
 TABLE_METRICS = (
     ["informative"]
-    + [f"{kind} {x}" for x in ("|A|", "L") + tuple(f"loss_aware γ={g:g}" for g in GAMMAS) for kind in ("pearson",)]
-    + [f"spearman {x}" for x in ("|A|", "L") + tuple(f"loss_aware γ={g:g}" for g in GAMMAS)]
+    + [f"pearson {x}" for x in ("|A|", "L") + tuple(f"loss_aware γ={g:g}" for g in GAMMAS) + (LOGP,)]
+    + [f"spearman {x}" for x in ("|A|", "L") + tuple(f"loss_aware γ={g:g}" for g in GAMMAS) + (LOGP,)]
     + [f"J/J* {p}" for p in PROXIES if p != "oracle"]
     + [f"J/Ju {p}" for p in PROXIES if p != "uniform"]
     + [f"J/J|A| {p}" for p in PROXIES if p not in ("uniform", "advantage")]
@@ -550,16 +637,50 @@ TABLE_METRICS = (
 LABELS = {"smollm2": "SmolLM2-135M", "default": "default testbed", "long": "long testbed"}
 
 
+def modes_of(model: dict) -> list[str]:
+    """The fine-tuning modes a model's result has (an adapter run has LoRA only)."""
+    return [m for m in MODES if any(e["mode"] == m for e in model["batches"])]
+
+
+def predicted_steps(families: list[dict], seed: int = 0) -> dict:
+    """The steps ratio of a kept-0.5 row sample to the full batch that the batches' noise predicts, per design.
+
+    At a fixed step size the steps to a target scale as 1 + noise/signal (the noise tr Var(g) of the batch-mean
+    gradient g, the signal ‖E g‖²); a row sample adds its design noise D (`design_noise`), so
+        ratio = (signal + noise + D) / (signal + noise) = 1 + D / E‖g‖²,
+    with E‖g‖² estimated without bias by the mean of ‖T/(KG)‖² over batches. Ratio of means over batches, with a 95%
+    bootstrap interval (resampled batches); also noise/signal (ρ, from the same means) and D/noise."""
+    import numpy as np
+
+    sq = np.array([f["noise"]["signal"] + f["noise"]["total"] for f in families])
+    total = np.array([f["noise"]["total"] for f in families])
+    out = {"batches": len(families), "rho": float(total.mean() / (sq.mean() - total.mean()))}
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(families), size=(BOOTSTRAP, len(families)))
+    for name in DESIGNS:
+        d = np.array([f.get("design noise", {}).get(name, np.nan) for f in families])
+        if np.isnan(d).any():
+            continue
+        boot = 1 + d[idx].mean(1) / sq[idx].mean(1)
+        out[name] = {
+            "ratio": float(1 + d.mean() / sq.mean()),
+            "lo": float(np.percentile(boot, 2.5)),
+            "hi": float(np.percentile(boot, 97.5)),
+            "added_over_noise": float(d.mean() / total.mean()),
+        }
+    return out
+
+
 def summarise(res: dict) -> dict:
-    """model -> mode -> family -> metric -> interval over batches."""
+    """model -> mode -> family -> metric -> interval over batches, and ``predicted steps`` (`predicted_steps`)."""
     out = {}
     for name, r in res["models"].items():
-        for mode in MODES:
+        for mode in modes_of(r):
             for lt in LOSS_FAMILIES:
                 bs = [e["families"][lt] for e in r["batches"] if e["mode"] == mode]
-                out.setdefault(name, {}).setdefault(mode, {})[lt] = {
-                    m: interval([b[m] for b in bs]) for m in TABLE_METRICS
-                }
+                cell = {m: interval([b.get(m) for b in bs]) for m in TABLE_METRICS}
+                cell["predicted steps"] = predicted_steps(bs)
+                out.setdefault(name, {}).setdefault(mode, {})[lt] = cell
     return out
 
 
@@ -578,7 +699,7 @@ def fmt(iv: dict) -> str:
 def report(res: dict) -> str:
     summary = summarise(res)
     names = list(res["models"])
-    cols = [(n, m) for n in names for m in MODES]
+    cols = [(n, m) for n in names for m in modes_of(res["models"][n])]
     lines = [
         f"Command: `{res['command'].strip()}`. Batches per model: {res['batches']}; cells are the mean over batches "
         + (
@@ -595,12 +716,16 @@ def report(res: dict) -> str:
     for name in names:
         s = res["models"][name]["settings"]
         t = res["models"][name]["task"]
-        params = {m: next(e["params"] for e in res["models"][name]["batches"] if e["mode"] == m) for m in MODES}
+        batches = res["models"][name]["batches"]
+        params = ", ".join(
+            f"{'LoRA' if m == 'lora' else m} {next(e['params'] for e in batches if e['mode'] == m):,}"
+            for m in modes_of(res["models"][name])
+        )
         lines.append(
             f"- {LABELS.get(name, name)}: {s['per_device_train_batch_size'] // s['num_generations']} prompts × "
-            f"{s['num_generations']} rollouts, cap {s['max_completion_length']}; trained parameters full "
-            f"{params['full']:,}, LoRA {params['lora']:,}; pass rate {t['pass_rate_mean']:.3f}, mixed groups "
-            f"{t['mixed_fraction']:.2f}, completion tokens {t['length_min']:.0f}–{t['length_max']:.0f} "
+            f"{s['num_generations']} rollouts, cap {s['max_completion_length']}; trained parameters {params}; "
+            f"pass rate {t['pass_rate_mean']:.3f}, mixed groups {t['mixed_fraction']:.2f}, completion tokens "
+            f"{t['length_min']:.0f}–{t['length_max']:.0f} "
             f"(median {t['length_median']:.0f}, 5–95% {t['length_p05']:.0f}–{t['length_p95']:.0f}), truncated "
             f"{t['truncated_fraction']:.2f}"
         )
@@ -625,10 +750,11 @@ def report(res: dict) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for name in names:
-            for mode in MODES:
+            for mode in modes_of(res["models"][name]):
                 for lt in LOSS_FAMILIES:
                     cells = summary[name][mode][lt]
-                    best = min((p for p in PROXIES if p != "oracle"), key=lambda p: cells[f"J/J* {p}"]["mean"])
+                    measured = [p for p in PROXIES if p != "oracle" and cells[f"J/J* {p}"]["n"]]
+                    best = min(measured, key=lambda p: cells[f"J/J* {p}"]["mean"])
                     b, a = cells[f"J/J* {best}"], cells["J/J* advantage"]
                     disjoint = b["boot_hi"] < a["boot_lo"] or a["boot_hi"] < b["boot_lo"]
                     per = [
@@ -653,6 +779,25 @@ def report(res: dict) -> str:
             cells = [fmt(summary[n][m][lt][metric]) for n, m in cols]
             lines.append(f"| {metric} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += [
+        f"### Predicted steps ratio of a kept-{KEPT:g} row sample to the full batch",
+        "",
+        "1 + D/E‖g‖² (`predicted_steps`: steps ∝ 1 + noise/signal at a fixed step size; D the design's added noise, "
+        "the package's draw with smoothing 0.1 approximated by a Poisson design with its inclusion probabilities); "
+        "ratio of means over batches [95% bootstrap over batches]; ρ = noise/signal of the full batch; D/noise.",
+        "",
+        "| model | mode | loss | ρ | " + " | ".join(DESIGNS) + " | D/noise: " + " | ".join(DESIGNS) + " |",
+        "|---|---|---|---|" + "---|" * (2 * len(DESIGNS)),
+    ]
+    for n, m in cols:
+        for lt in LOSS_FAMILIES:
+            pr = summary[n][m][lt]["predicted steps"]
+            ratio = [
+                f"{pr[d]['ratio']:.3f} [{pr[d]['lo']:.3f}, {pr[d]['hi']:.3f}]" if d in pr else "–" for d in DESIGNS
+            ]
+            added = [f"{pr[d]['added_over_noise']:.3f}" if d in pr else "–" for d in DESIGNS]
+            lines.append(f"| {LABELS.get(n, n)} | {m} | {lt} | {pr['rho']:.3g} | " + " | ".join(ratio + added) + " |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -679,6 +824,13 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="testbeds only, one batch of 4 prompts each")
     p.add_argument("--cache", default=CACHE, help="rollouts and per-batch measurements (resumable)")
     p.add_argument("--tag", default=None, help="results file name (default real_model_rows; quick: <cache>/quick)")
+    p.add_argument("--cap", type=int, default=None, help="SmolLM2's completion cap (default 128)")
+    p.add_argument(
+        "--adapter",
+        default=None,
+        help="a LoRA folder: the policy that generates and is differentiated (LoRA mode only), e.g. "
+        "outputs/bench/real_model_learning/runs/grpo__s0/adapters/step-10",
+    )
     p.add_argument("--report", action="store_true", help="rewrite the .md from the saved .json")
     args = p.parse_args(argv)
     # --quick is a smoke run: its files go beside the cache, not into benchmarks/results.

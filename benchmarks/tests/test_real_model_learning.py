@@ -139,7 +139,14 @@ def test_costs_to_the_target_and_ratios_on_a_recorded_log(tmp_path):
 
 def test_generation_side_shares_and_predictability():
     def group(step, a, rewards, tokens=10):
-        return {"step": step, "a": a, "b": 2, "rewards": rewards, "tokens": [tokens] * len(rewards), "cut_off": [0] * 4}
+        return {
+            "step": step,
+            "a": a,
+            "b": 2,
+            "rewards": rewards,
+            "tokens": [tokens] * len(rewards),
+            "cut_off": [0] * 4,
+        }
 
     groups = [
         group(1, 2, [1, 1, 1, 1], 5),  # no gradient, solved

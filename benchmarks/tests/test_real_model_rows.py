@@ -194,3 +194,77 @@ def test_quick_run_on_the_default_testbed(tmp_path):
     rmr.main(["--quick", "--models", "default", "--cache", str(tmp_path)])  # from the cache
     with open(tmp_path / "quick.json", encoding="utf-8") as fh:
         assert json.load(fh)["summary"] == res["summary"]
+
+
+def test_logp_proxy_weights_confident_tokens_less():
+    """loss_aware with the sampler's log-probabilities: h = (Σ_t u_t²)^½ with u = 1 − π(y_t) (γ = ½, dapo); a row of
+    certain tokens (π = 1) carries no gradient proxy; without log-probabilities u = 1 gives √L."""
+    import math
+
+    la = rmr.proxy_scores(
+        [1.0, 2.0, 1.0], [2.0, 1.0, 2.0], "dapo", [[math.log(0.5), math.log(0.5)], [0.0], [-1e9, -1e9]]
+    )
+    assert la[rmr.LOGP] == pytest.approx([math.sqrt(0.5), 0.0, math.sqrt(2.0)])
+    assert rmr.LOGP not in rmr.proxy_scores([1.0], [2.0], "dapo")
+
+
+def test_design_inclusion_sums_to_the_kept_slots_and_caps_at_one():
+    rng = np.random.default_rng(1)
+    for n_info in (5, 20, 40, 64):
+        score, c = rng.uniform(0.1, 3, n_info), rng.uniform(10, 200, n_info)
+        pi = rmr.design_inclusion(score, c, 64)
+        assert pi.sum() == pytest.approx(min(32, n_info))
+        assert (pi <= 1 + 1e-12).all() and (pi > 0).all()
+    # fewer informative rows than slots: every one kept, no added noise
+    pi = rmr.design_inclusion(np.ones(10), np.full(10, 50.0), 64)
+    assert pi == pytest.approx(np.ones(10))
+    assert rmr.design_noise(np.ones(10), pi, 64) == 0.0
+    # uniform over 64 rows at kept 1/2: D = Σ ‖x‖² / N²
+    pi = rmr.design_inclusion(np.ones(64), np.full(64, 50.0), 64)
+    assert pi == pytest.approx(np.full(64, 0.5))
+    assert rmr.design_noise(np.full(64, 2.0), pi, 64) == pytest.approx(64 * 4.0 / 64**2)
+
+
+def test_predicted_steps_ratio_of_means():
+    fam = lambda signal, total, d: {"noise": {"signal": signal, "total": total}, "design noise": {"uniform": d}}  # noqa: E731
+    pr = rmr.predicted_steps([fam(1.0, 3.0, 2.0), fam(3.0, 1.0, 0.0)])
+    assert pr["uniform"]["ratio"] == pytest.approx(1 + 1.0 / 4.0)
+    assert pr["rho"] == pytest.approx(2.0 / 2.0)
+    assert pr["uniform"]["added_over_noise"] == pytest.approx(0.5)
+    assert pr["uniform"]["lo"] <= pr["uniform"]["ratio"] <= pr["uniform"]["hi"]
+    assert "advantage" not in pr  # not measured
+
+
+def test_adapter_label():
+    assert rmr.adapter_label("/x/runs/grpo__s0/adapters/step-10") == "grpo__s0-step-10"
+    assert rmr.adapter_label("/x/my_adapter/") == "my_adapter"
+
+
+@pytest.mark.slow
+def test_quick_run_from_an_adapter(tmp_path):
+    """--adapter: the testbed model with a saved LoRA adapter generates and is differentiated (LoRA mode only); the
+    report has the predicted steps table and the log-probability proxy."""
+    import json
+
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path, *_ = rmr.model_setup("default", quick=True)
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(task_type="CAUSAL_LM", **rmr.LORA))
+    with torch.no_grad():  # a trained adapter: B ≠ 0
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.01)
+    adapter = tmp_path / "run" / "adapters" / "step-3"
+    model.save_pretrained(adapter)
+    rmr.main(["--quick", "--models", "default", "--cache", str(tmp_path), "--adapter", str(adapter), "--tag", "ad"])
+    with open(tmp_path / "ad.json", encoding="utf-8") as fh:
+        res = json.load(fh)
+    assert {e["mode"] for e in res["models"]["default"]["batches"]} == {"lora"}
+    assert (tmp_path / "quick" / "default@run-step-3" / "seed0" / "scores_lora_0.json").exists()
+    pr = res["summary"]["default"]["lora"]["dapo"]["predicted steps"]
+    assert pr["uniform"]["ratio"] >= 1.0 and rmr.LOGP in pr
+    md = (tmp_path / "ad.md").read_text()
+    assert "Predicted steps ratio" in md and rmr.LOGP in md
