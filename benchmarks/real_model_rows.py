@@ -426,7 +426,8 @@ def generate_batch(trainer, reward, dataset, settings, b: int, seed: int) -> dic
     tok = trainer.processing_class
     texts = tok.batch_decode(batch["completion_ids"], skip_special_tokens=True)
     answers = [p["answer"] for p in prompts for _ in range(gens)]
-    rewards = reward(texts, answers)
+    ids = [c[m.bool()].tolist() for c, m in zip(batch["completion_ids"], batch["completion_mask"], strict=True)]
+    rewards = reward(texts, answers, completion_ids=ids)  # the ids end with EOS unless the cap cut the reply off
     keep = ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages")
     return {
         **{key: batch[key].detach().cpu() for key in keep},
