@@ -308,6 +308,11 @@ def batch_figures(rows: dict, loss_type: str, groups: int, generations: int, noi
     L, c = length[info], cost[info]
     g = absa * s_norm[info] / (L if loss_type == "grpo" else 1.0)
     out = {"rows": len(adv), "informative": int(info.sum())}
+    split = noise_split(noise["row_sq"], noise["group_sq"], noise["total_sq"], groups, generations)
+    if not info.any():  # every group's rewards equal: no gradient, nothing to sample, no row figure
+        out.update({"noise within share": split["within_share"], "noise rho": split["rho"], "noise": split})
+        out["design noise"] = dict.fromkeys(DESIGNS, 0.0)
+        return out
     logps = rows.get("token_logps")
     proxies = proxy_scores(absa, L, loss_type, None if logps is None else [logps[i] for i in np.flatnonzero(info)])
     corr = {"|A|": absa, "L": L, **{k: v for k, v in proxies.items() if k.startswith("loss_aware")}}
@@ -323,7 +328,6 @@ def batch_figures(rows: dict, loss_type: str, groups: int, generations: int, noi
         out[f"J/Ju {name}"] = j / j_u
         out[f"J/J|A| {name}"] = j / j_adv
         out[f"matched tokens {name}"] = matched_tokens(g, c, p)
-    split = noise_split(noise["row_sq"], noise["group_sq"], noise["total_sq"], groups, generations)
     out["noise within share"] = split["within_share"]
     out["noise rho"] = split["rho"]
     out["noise"] = split

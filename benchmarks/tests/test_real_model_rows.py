@@ -268,3 +268,11 @@ def test_quick_run_from_an_adapter(tmp_path):
     assert pr["uniform"]["ratio"] >= 1.0 and rmr.LOGP in pr
     md = (tmp_path / "ad.md").read_text()
     assert "Predicted steps ratio" in md and rmr.LOGP in md
+
+
+def test_batch_figures_without_an_informative_row():
+    """A batch whose groups are all solved (late in training): no row figure, zero noise, nothing a design adds."""
+    rows = {"adv": [0.0] * 4, "length": [3, 4, 5, 6], "cost": [9, 10, 11, 12], "s_norm": [0.0] * 4}
+    f = rmr.batch_figures(rows, "dapo", 2, 2, {"row_sq": 0.0, "group_sq": [0.0, 0.0], "total_sq": 0.0})
+    assert f["informative"] == 0 and f["noise"]["total"] == 0.0
+    assert f["design noise"] == dict.fromkeys(rmr.DESIGNS, 0.0) and "J/J* advantage" not in f
