@@ -1,38 +1,15 @@
 """Static subset selection: drop expensive examples before training, for a bias that stays within a budget.
 
-This is the paper's second algorithm (docs/subset.md). The training objective is F(x) = (1/n) Σ_i f_i(x); example i
-costs c_i > 0 per gradient query (for GRPO: the tokens of its rollouts) and its gradient is bounded, ‖∇f_i‖ ≤ G_i
-(for GRPO: the mean |advantage| of its rollouts, or the standard deviation of its rewards). Cost-aware SGD with the
-optimal sampler p_i ∝ G_i/√c_i pays a total cost proportional to J = (Σ_i G_i √c_i)². Dropping a set R of examples
-and training on the kept set K = [n] \\ R changes two things:
-
-    cost factor   J_K = (Σ_{i∈K} G_i √c_i)²
-    bias bound    β_R = (1/n) Σ_{i∈R} G_i   ≥   ‖∇F(x) − (1/n) Σ_{i∈K} ∇f_i(x)‖   for every x.
-
-We minimise J_K subject to β_R ≤ Γ (the bias budget). With value v_i = G_i √c_i, weight w_i = G_i and V = Σ_i v_i,
-J_K = (V − Σ_{i∈R} v_i)², so this is the 0/1 knapsack
-
-    maximise Σ_{i∈R} v_i   subject to   Σ_{i∈R} w_i ≤ nΓ.
-
-The knapsack's density is v_i/w_i = √c_i, so its greedy rule is "drop the most expensive first" (`greedy_subset`:
-examples in decreasing c_i, each dropped when it still fits the budget). Dantzig's LP relaxation drops the examples in
-the same order plus a fraction of the first one, k, that does not fit; its dropped value D_LP bounds every feasible R*:
-
-    √J_K(greedy) − v_k  ≤  V − D_LP  ≤  √J_K(R*)  ≤  √J_K(greedy),
-
-so greedy is within one example's value v_k = G_k √c_k of the optimum in √(cost factor). That is the bound it has:
-`SubsetReport.cost_factor_lower_bound` = (V − D_LP)² certifies it per selection, and greedy is exact when the
-certificate is met (cost factor = lower bound; always when all G_i are equal). Using the budget up exactly is not
-enough: c = [100, 99, 1], G = [0.5, 0.6, 0.5], Γ = 1/3 (budget 1) has greedy drop 100 and 1 (J_K 35.64) where dropping
-99 alone gives 30.25. On a
-large data set one example is a negligible part of V; on a few dozen examples the ratio J_K(greedy)/J_K(optimum) can
-be large when the optimum keeps almost nothing: `exact_subset` enumerates the subsets there.
-
-Examples with G_i = 0 add nothing to the bias bound nor to J_K (cost-aware SGD never samples them): they are dropped
-for free (reason "zero_bound") unless ``drop_zero_bound=False``, so Γ = 0 keeps exactly the examples with G_i > 0.
-
-`select_subset` applies this to a `datasets.Dataset`; `pilot_statistics` estimates c_i and G_i per prompt from the
-rollouts of a pilot run.
+The paper's second algorithm; the derivation is in docs/subset.md. Example i costs c_i per gradient query and its
+gradient is bounded, ‖∇f_i‖ ≤ G_i. Dropping a set R changes cost-aware SGD's cost factor to J_K = (Σ_{i∉R} G_i √c_i)²
+and bounds the bias by β_R = (1/n) Σ_{i∈R} G_i. Minimising J_K subject to β_R ≤ Γ is a 0/1 knapsack (value G_i √c_i,
+weight G_i, density √c_i), so greedy drops the most expensive first (`greedy_subset`). Dantzig's LP relaxation bounds
+every feasible choice: √J_K(greedy) − G_k √c_k ≤ √(LP bound) ≤ √J_K(optimum) (k the first example that did not fit);
+`SubsetReport.cost_factor_lower_bound` is that certificate, and greedy is exact when it meets it (always when all G_i
+are equal), not whenever the budget is used up (c = [100, 99, 1], G = [0.5, 0.6, 0.5], Γ = 1/3: greedy 35.64,
+optimum 30.25). `exact_subset` enumerates the subsets of small data sets. Examples with G_i = 0 are dropped for free
+(reason "zero_bound") unless ``drop_zero_bound=False``. `select_subset` applies this to a `datasets.Dataset`;
+`pilot_statistics` estimates c_i and G_i per prompt from a pilot run's rollouts.
 """
 
 from __future__ import annotations

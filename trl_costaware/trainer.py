@@ -75,24 +75,14 @@ def text_only_processing_class(model, processing_class, args):
 class CostAwareGRPOTrainer(GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
-    After TRL generates and scores a generation batch (N rows on this rank), the trainer draws m rows with
-    probability ∝ |A_i|/√c_i (smoothed with the uniform distribution), multiplies each kept row's advantage by its
-    importance weight (a positive per-row factor scales every TRL loss type's policy term exactly), and hands the kept
-    rows back to TRL. TRL shuffles and splits them; the trainer then replaces TRL's micro-batches by its layout
-    (`self._layout`, docs/layout.md): "packed" puts each optimizer step's kept rows, sorted by length, in as few
-    micro-batches as they need and makes the step's other micro-steps no-ops; "even" (with an entropy bonus or a
-    router aux loss, which packing would re-weight) keeps TRL's split. Dropped rows cost nothing after generation:
-    the old-policy and reference log-probabilities (and, with vLLM, the importance-sampling ratio) are computed for
-    kept rows only, per micro-batch, and each micro-batch is trimmed to its longest row.
-
-    The TRL hooks it overrides, each calling `super()` and post-processing:
-    - `_generate_and_score_completions`: defers the old/reference passes while TRL scores (`deferred.placeholder_
-      passes`), then draws the kept rows (`_draw_kept_rows` → `plan.plan_batch`) and weights their advantages;
-    - `_prepare_inputs`: lays out each new buffer once (`_process_new_buffer`: packing, trimming, deferred passes);
-    - `_compute_loss`: no-op micro-steps, and the one place β is scaled (packed micro-batches, batch-token losses);
-    - `log`: the cumulative token counters and token-weighted metric means;
-    - `_save_checkpoint` / `_load_optimizer_and_scheduler`: the sampler's streams and counters, so a resumed run
-      draws what the uninterrupted one would.
+    After TRL scores a generation batch, it draws m rows ∝ |A_i|/√c_i (smoothed), multiplies each kept row's advantage
+    by its importance weight and hands the kept rows back to TRL, laid out in its own micro-batches (`self._layout`,
+    docs/layout.md). Dropped rows cost nothing after generation: the old-policy and reference passes run on kept rows
+    only, per micro-batch trimmed to its longest row. The path of one batch: docs/architecture.md. Hooks overridden:
+    `_generate_and_score_completions` (draw, weights), `_generate` / `_calculate_rewards` /
+    `_get_per_token_logps_and_entropies` (the deferred passes, `deferred.scoring_window`), `_prepare_inputs` (the
+    layout, once per buffer), `_compute_loss` (no-op micro-steps, β), `log` (counters), `_save_checkpoint` /
+    `_load_optimizer_and_scheduler` (the sampler's streams, so a resumed run draws what the uninterrupted one would).
 
     Args: those of `GRPOTrainer.__init__`, with the same defaults; `args` must be a [`CostAwareGRPOConfig`] (a plain
     `GRPOConfig` is rejected).
@@ -223,12 +213,10 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             self._deferring = False
         return super()._calculate_rewards(*args, **kwargs)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
-        if getattr(self, "_deferring", False):
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
+        if getattr(self, "_deferring", False):  # TRL's __init__ may call it before ours runs
             return placeholder_logps(input_ids, logits_to_keep)
-        return super()._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs
-        )
+        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **k)
 
     def _row_costs(self, batch) -> torch.Tensor:
         if self._cost_fn is not None:

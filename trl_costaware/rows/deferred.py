@@ -1,8 +1,6 @@
-"""The deferred no-grad log-prob passes: while TRL scores a generation batch, its old-policy and reference passes
-return a placeholder (`scoring_window`, `placeholder_logps`: a flag the trainer sets between generation and the
-rewards, no stack inspection); the trainer runs them
-afterwards on the kept micro-batches only (`CostAwareGRPOTrainer._compute_deferred_logps`), and with vLLM's
-importance-sampling correction forms the ratio (and TRL's five vLLM metrics) over the kept rows (`ratio_stats`).
+"""The deferred no-grad log-prob passes: while TRL scores a batch, its old-policy and reference passes return a
+placeholder (`scoring_window`: a flag, no stack inspection); the trainer runs them on the kept micro-batches only
+(`_compute_deferred_logps`) and, with vLLM's correction, forms the ratio and TRL's vLLM metrics there (`ratio_stats`).
 """
 
 from __future__ import annotations
@@ -38,10 +36,8 @@ def scoring_window(trainer):
 
 
 def placeholder_logps(input_ids: torch.Tensor, logits_to_keep: int):
-    """What a deferred pass returns: NaN log-probs of the right shape (an expanded 0-dim tensor: no memory), no
-    entropies. With the vLLM importance-sampling correction TRL forms its ratio from them: NaN differences count as 0
-    there, so that ratio is 1 and cheap; the trainer drops it (`DEFERRED_KEYS`) and forms it again per kept
-    micro-batch."""
+    """A deferred pass's result: NaN log-probs of the right shape (an expanded 0-dim tensor), no entropies. TRL's vLLM
+    ratio formed from them is 1 (NaN differences count as 0); the trainer drops it (`DEFERRED_KEYS`) and recomputes."""
     nan = torch.full((), math.nan, device=input_ids.device)
     return nan.expand(input_ids.size(0), logits_to_keep), None, None
 

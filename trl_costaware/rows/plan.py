@@ -226,15 +226,12 @@ class Plan:
     `indices` (m,) the kept rows; `factors` (m,) float64, the multiplier of each kept row's advantage. A row rule of
     its own (a subclass's `_draw_kept_rows`) may give only these two: the plan-only corrections then do not apply and
     the trainer counts the kept tokens itself. `rows` the batch's host statistics; `kept_stats` (derived from `rows`
-    and `indices`, so it follows any edit of `indices`) the prompt, completion and loss tokens of the kept rows by
-    kept position; `filler` (m,) the kept slots outside the support (factor 0). `p` the sampling
-    distribution, `eligible` the support, `draw` the draw itself (its design in `draw.probabilities`).
-    `global_weights` (ranks·m,) the normalised weights of every rank's slots (fillers 0), `global_filler` their
-    filler flags. `kl_scale` the β multiplier
-    of a batch-token loss (None otherwise; always > 0, and exactly 1 when the kept rows have no loss token);
-    `micro_tokens_full` the full batch's mean micro-batch loss tokens of a micro-token loss (bnpo; None otherwise, and
-    None when this rank's batch has no loss token: every micro-batch then keeps factor 1). `totals` the counters
-    summed over ranks; `metrics` the logged values (without the "cost_aware/" prefix)."""
+    and `indices`) the kept rows' prompt, completion and loss tokens; `filler` (m,) the kept slots outside the support
+    (factor 0); `p` the sampling distribution, `eligible` the support, `draw` the draw (`draw.probabilities`: π).
+    `global_weights` (ranks·m,) every rank's normalised slot weights (fillers 0), `global_filler` their flags.
+    `kl_scale` the β multiplier of a batch-token loss (None otherwise; > 0, 1 when the kept rows have no loss token);
+    `micro_tokens_full` bnpo's full-batch mean micro-batch loss tokens (None otherwise, or when this rank's batch has
+    no loss token). `totals` the counters summed over ranks; `metrics` the logged values (no "cost_aware/" prefix)."""
 
     indices: torch.Tensor
     factors: torch.Tensor
@@ -258,20 +255,17 @@ class Plan:
 
 
 def filler_scores(rows: RowStats) -> torch.Tensor:
-    """The filler order (`sampling.inclusion_probabilities`): the cheapest rows the loss sees first, 1/c_i; rows
-    without a loss token last."""
+    """Filler scores (`inclusion_probabilities`): 1/c_i, cheapest rows the loss sees first, 0 with no loss token."""
     return (rows.loss_tokens > 0).double() / rows.costs.double().clamp(min=1.0)
 
 
 def drawn_distribution(p: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
-    """The distribution the draw uses: p on the support S, 0 outside it, even when S is empty (p is then uniform, for
-    the metrics): every slot the rows of S cannot take goes to a filler, the cheapest rows first."""
+    """p on the support S, 0 outside it even when S is empty (p is then uniform, for the metrics only)."""
     return torch.where(eligible.to(p.device), p, torch.zeros_like(p))
 
 
 def token_budget_count(rows: RowStats, p: torch.Tensor, eligible: torch.Tensor, budget: float) -> int:
-    """This rank's own m under a token budget (before the reduction over ranks): the largest m whose expected kept
-    cost Σ π_i(m) c_i, fillers included, is at most `budget` (`sampling.kept_rows_for_token_budget`)."""
+    """This rank's own m under a token budget, before the reduction over ranks (`kept_rows_for_token_budget`)."""
     q = drawn_distribution(p, eligible)
     return kept_rows_for_token_budget(q, rows.costs, budget, len(rows), filler_scores(rows))
 

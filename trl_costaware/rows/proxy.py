@@ -1,27 +1,14 @@
-"""Loss-aware gradient-norm proxy: pure torch, no trainer in sight (docs/budget_and_proxy.md, docs/algorithm.md).
+"""Loss-aware gradient-norm proxy: pure torch, no trainer in sight (derivation: docs/budget_and_proxy.md).
 
-Row i of a GRPO generation batch enters TRL's policy loss (on-policy, ratio 1, β = 0) as
+Row i enters TRL's policy loss as ℓ_i = −A_i · Σ_t m_it log π(y_it) / Z_i (m the loss mask, Z_i the loss type's
+normaliser, `plan.LOSS_NORMALISERS`: L_i · const for the row-mean types grpo and sapo, a batch-wide constant for the
+others). The norm of the token sum is modelled as the ℓ_{1/γ} norm of per-token weights u_it = 1 − π(y_it) (1 when
+the sampled tokens' log-probabilities are unknown), so
 
-    ℓ_i = −A_i · Σ_t m_it log π(y_it) / Z_i ,      ∇ℓ_i = −A_i · (Σ_t m_it ∇log π(y_it)) / Z_i
+    G_i = |A_i| · h_i,     h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i   (without log-probabilities: L_i^γ or L_i^(γ−1)),
 
-with m_it the loss mask (completion tokens, minus tool tokens) and Z_i the loss type's normaliser:
-
-    row-mean types   (grpo, sapo):                     Z_i = L_i · const   (mean over the row's own tokens)
-    the others       (dapo, cispo, vespo, bnpo,
-                      dr_grpo, luspo):                 Z_i = const         (a batch-wide token count, B·L_max, ...)
-
-(`plan.LOSS_NORMALISERS`, the one table of TRL's normalisers, field `row_length`)
-where L_i = Σ_t m_it. The constants are shared by every row of the batch, so they cancel in a sampling
-distribution. The norm of the token sum lies between √L_i (token gradients in unrelated directions) and L_i
-(aligned); we model it as L_i^γ, or, when the sampling policy's per-token log-probabilities are known (vLLM gives
-them), as the ℓ_{1/γ} norm of the per-token weights u_it = 1 − π(y_it) (the size of ∇_logits log π(y_it) is at
-least 1 − π(y_it); confident tokens carry little gradient). The proxy is
-
-    G_i = |A_i| · h_i,     h_i = (Σ_t m_it u_it^(1/γ))^γ / Z_i ,     u_it = 1 without log-probabilities,
-
-so without log-probabilities h_i = L_i^γ (token-sum types) or L_i^(γ−1) (row-mean types). γ = 1/2 (token gradients
-in unrelated directions) is the default. Rows with A_i = 0 or no loss tokens
-get G_i = 0: they carry no policy gradient. Nothing here returns NaN or infinity for finite-or-NaN input.
+γ = 1/2 by default (token gradients in unrelated directions). Rows with A_i = 0 or no loss tokens get G_i = 0.
+Nothing here returns NaN or infinity for finite-or-NaN input.
 """
 
 from __future__ import annotations

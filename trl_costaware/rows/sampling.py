@@ -194,14 +194,11 @@ def inclusion_probabilities(p: torch.Tensor, m: int, filler: torch.Tensor | None
 
 
 def _best_rows(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Inclusion probabilities of k rows taken by highest score: 1 above the k-th score, the rows tied at it sharing
-    what is left evenly, 0 below."""
-    if k <= 0:
-        return torch.zeros_like(scores)
-    kth = torch.sort(scores, descending=True).values[k - 1]
+    """π of k rows taken by highest score: 1 above the k-th score, rows tied at it sharing what is left, 0 below."""
+    kth = torch.sort(scores, descending=True).values[max(k, 1) - 1]
     above, tied = scores > kth, scores == kth
     out = above.to(scores.dtype)
-    out[tied] = (k - int(above.sum())) / int(tied.sum())
+    out[tied] = max(k - int(above.sum()), 0) / int(tied.sum())
     return out
 
 
@@ -260,22 +257,11 @@ def effective_sample_size(w: torch.Tensor) -> float:
 
 
 def design_weight_terms(probabilities: torch.Tensor, support: torch.Tensor, m: int) -> tuple[float, float]:
-    """(E[Σ w], K): one rank's expected sum of the unbiasing weights over its kept non-filler slots, and the number K
-    of those slots. Their sums over ranks give the centre of the normalised weights (`normalize_weights`):
-
-        w̄₀ = Σ_ranks E[Σ w] / Σ_ranks K   = E[mean of the kept non-filler weights of all ranks].
-
-    For a draw of m slots from N rows, support S (the rows that can carry gradient, `eligible_rows`; a slot on a row
-    outside S is a filler, weight 0, outside every mean) and S⁺ = {i ∈ S : π_i > 0} the rows that can be drawn
-    (`probabilities` = π, w_i = m / (N π_i)): row i is kept with probability π_i, so
-
-        E[Σ_{kept, i∈S} w_i] = Σ_{i∈S⁺} π_i · m / (N π_i) = m |S⁺| / N,     K = Σ_{i∈S} π_i.
-
-    K is not random: the draw keeps m rows of S when |S⁺| ≥ m, and otherwise every row of S (π = 1) plus m − |S|
-    fillers, K = |S|. So E[mean] = E[Σ w] / K exactly, on one rank and over ranks. On one rank: w̄₀ = |S⁺|/N when
-    |S⁺| ≥ m, and m/N (every kept weight is exactly m/N) when fewer rows than m can be drawn. It is 1 only when every
-    row can be drawn: rows with A = 0 or no loss token have π = 0, so E[mean w] = |S⁺|/N < 1, and weights centred at 1
-    would multiply the policy gradient by ≈ N/|S⁺|.
+    """(E[Σ w], K): one rank's expected sum of the unbiasing weights over its kept non-filler slots, E[Σ w] =
+    m |S⁺| / N (S⁺ = {i ∈ S : π_i > 0}, w_i = m / (N π_i)), and the number of those slots, K = Σ_{i∈S} π_i, which is
+    not random. Summed over ranks they give the centre w̄₀ = Σ E[Σ w] / Σ K of the normalised weights
+    (`normalize_weights`): |S⁺|/N on one rank with |S⁺| ≥ m, 1 only when every row can be drawn (docs/algorithm.md
+    §2.5 derives it: weights centred at 1 would multiply the policy gradient by ≈ N/|S⁺|).
     """
     probs = _clean(probabilities).double().clamp(min=0.0)
     inside = support.to(torch.bool).to(probs.device)
@@ -388,10 +374,7 @@ def kept_rows_for_token_budget(
     """The largest m in [1, n_max] with Σ_i π_i(m) c_i ≤ budget, π(m) = inclusion_probabilities(p, m, filler): the
     systematic draw's expected kept cost, exactly, however skewed the batch (rows at π_i = 1 count in full). It grows
     with m, so a bisection finds m; 1 when even one row costs more than the budget in expectation."""
-    n_max = min(int(n_max), p.numel())
-    lo, hi = 1, n_max  # invariant: the answer lies in [lo, hi]
-    if expected_kept_cost(p, costs, hi, filler) <= budget:
-        return hi
+    lo, hi = 1, min(int(n_max), p.numel())  # invariant: the answer lies in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if expected_kept_cost(p, costs, mid, filler) <= budget:

@@ -1,24 +1,12 @@
 """TRL's vLLM importance-sampling correction, as a pure function of one batch's rows.
 
-TRL 1.16 forms this ratio inline in `GRPOTrainer._generate_and_score_completions`, right after its old-policy pass
-over every generated row. The ratio of row i depends on row i alone, so the cost-aware trainer can defer that pass to
-the rows it keeps and form the ratio there, per kept micro-batch. tests/test_vllm.py compares this function, row by
-row and mode by mode, with the ratio TRL itself computes on the full batch, so a change in TRL's formula fails there.
-
-With d_it = (old_it − sampling_it) · mask_it, and NaN replaced by 0 (a token vLLM could not score gets ratio 1):
-
-    token_* modes:     r_it = exp(d_it)                        shape (B, T)
-    sequence_* modes:  r_i  = exp(Σ_t d_it)                    shape (B, 1)
-
-    *_truncate:  r ← clamp(r, clip_min, clip_max)              (a bound that is None is not applied)
-    *_mask:      r ← 0 where r < clip_min or r > clip_max      (a bound that is None is ±∞)
-
-Masked tokens have d = 0, so columns where the mask is 0 (padding) do not change a row's value.
-
-`combine_ratio_stats` sums one rank's micro-batch statistics into the rank's own (any number of micro-batches, none
-included: a rank with no real micro-batch has the statistics of a rank without a token, and still sends them).
-`vllm_metrics` forms TRL's five `sampling/*` metrics from each rank's sums, over ranks as TRL does: the mean of the
-per-rank means and the extreme of the per-rank extremes (a rank without a token counts 0, as in TRL).
+TRL 1.16 forms this ratio inline in `_generate_and_score_completions` after its old-policy pass over every row; row
+i's ratio depends on row i alone, so the trainer forms it per kept micro-batch instead (tests/test_vllm.py compares
+it with TRL's, mode by mode). With d_it = (old_it − sampling_it) · mask_it, NaN → 0: token_* modes r_it = exp(d_it)
+(B, T); sequence_* modes r_i = exp(Σ_t d_it) (B, 1); *_truncate clamps r to [clip_min, clip_max], *_mask zeroes r
+outside it (a bound that is None is not applied). `combine_ratio_stats` sums one rank's micro-batch statistics (a
+rank with no real micro-batch still sends them); `vllm_metrics` forms TRL's five `sampling/*` metrics over ranks as
+TRL does (mean of per-rank means, extreme of per-rank extremes).
 """
 
 from __future__ import annotations
