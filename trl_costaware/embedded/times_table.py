@@ -6,8 +6,9 @@
 a is uniform on 2..9 and b on 2..12 (88 problems). The completion is rewarded 1.0 when its final number, the last
 number in the text followed by nothing but ASCII punctuation, spaces or markdown (``"... is 56."``, ``"**56**"``),
 equals a·b; 0.0 otherwise, including a reply that ends in words or other text (the prompt asks for the number last),
-an ambiguous number (``"5,6"``) and, with `make_times_table_reward`, a reply cut off by the length cap. A small instruct model sampled at temperature 1 solves some but not all rollouts of most of these
-problems, with replies from a bare number to a worked paragraph: rows of one group differ in outcome and in cost.
+an ambiguous number (``"5,6"``) and, with `make_times_table_reward`, a reply cut off by the length cap. A small
+instruct model sampled at temperature 1 solves some but not all rollouts of most of these problems, with replies from
+a bare number to a worked paragraph: rows of one group differ in outcome and in cost.
 """
 
 from __future__ import annotations
