@@ -666,7 +666,10 @@ def predicted_steps(families: list[dict], seed: int = 0) -> dict:
         d = np.array([f.get("design noise", {}).get(name, np.nan) for f in families])
         if np.isnan(d).any():
             continue
-        boot = 1 + d[idx].mean(1) / sq[idx].mean(1)
+        dm, sqm = d[idx].mean(1), sq[idx].mean(1)
+        boot = 1 + np.divide(
+            dm, sqm, out=np.zeros_like(dm), where=sqm > 0
+        )  # only gradient-free batches: nothing added
         out[name] = {
             "ratio": float(1 + d.mean() / sq.mean()),
             "lo": float(np.percentile(boot, 2.5)),

@@ -276,3 +276,10 @@ def test_batch_figures_without_an_informative_row():
     f = rmr.batch_figures(rows, "dapo", 2, 2, {"row_sq": 0.0, "group_sq": [0.0, 0.0], "total_sq": 0.0})
     assert f["informative"] == 0 and f["noise"]["total"] == 0.0
     assert f["design noise"] == dict.fromkeys(rmr.DESIGNS, 0.0) and "J/J* advantage" not in f
+
+
+def test_predicted_steps_interval_with_gradient_free_batches():
+    fam = lambda signal, total, d: {"noise": {"signal": signal, "total": total}, "design noise": {"uniform": d}}  # noqa: E731
+    pr = rmr.predicted_steps([fam(0.0, 0.0, 0.0), fam(1.0, 1.0, 1.0)])
+    assert pr["uniform"]["ratio"] == pytest.approx(1.5)
+    assert pr["uniform"]["lo"] == pytest.approx(1.0) and pr["uniform"]["hi"] == pytest.approx(1.5)
