@@ -161,7 +161,6 @@ class Evaluator:
 
         ds = times_table_dataset(n, seed=EVAL_SEED)
         self.answers = [float(a) for a in ds["answer"]]
-        self.problems = [(int(a), int(b)) for a, b in zip(ds["a"], ds["b"], strict=True)]
         self.prompts = [
             tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in ds["prompt"]
         ]
@@ -169,7 +168,6 @@ class Evaluator:
         self.eos = {i for i in (tokenizer.eos_token_id, tokenizer.pad_token_id) if i is not None}
 
     def _scores(self, model, prompts: list[str], answers: list[float], do_sample: bool) -> tuple[list[float], int]:
-
         from trl_costaware.embedded.times_table import final_number
 
         tok = self.tokenizer
