@@ -249,7 +249,7 @@ def check_linear(fz: Frozen, b: torch.Tensor, kept, method, draws: int) -> float
     worst = 0.0
     for _ in range(draws):
         t = pipeline_projection(fz)
-        plan = trainer._batch_plan
+        plan = trainer._generation.plan
         combo = plan.factors.double() * b[plan.indices]
         lin = float(combo.sum())
         scale = float(combo.abs().sum()) + 1e-12

@@ -12,6 +12,9 @@ from testing_utils import make_trainer
 from trl import GRPOTrainer
 from trl.trainer.utils import split_tensor_dict
 
+from trl_costaware.rows.plan import Plan
+from trl_costaware.trainer import GenerationBatch
+
 
 def test_fake_accelerator_catches_mixing():
     """The emulation itself: mixing a device tensor with a host vector fails like CUDA; scalars and host indices
@@ -183,7 +186,8 @@ def test_micro_and_optimizer_steps_make_no_transfer(tmp_path, tiny_model_path, d
 
     monkeypatch.setattr(GRPOTrainer, "_compute_loss", loss)
     monkeypatch.setattr(GRPOTrainer, "_clip_grad_norm", lambda self, model: mark(torch.tensor(2.0)))
-    trainer._buffer_kl_scale = 1.5  # as the plan of a dapo generation batch sets it
+    plan = Plan(torch.arange(1), torch.ones(1), kl_scale=1.5)  # as the plan of a dapo generation batch sets it
+    trainer._generation = GenerationBatch({}, plan=plan)
     mode = FakeAccelerator()
     with mode:
         for _ in range(3):

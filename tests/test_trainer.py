@@ -391,7 +391,7 @@ def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, tin
         return out
 
     def loss(model, inputs):
-        if inputs.get("cost_aware_noop"):
+        if trainer._generation.micro_step(inputs).noop:
             return original_loss(model, inputs)
         pairs.append({"old": inputs["old_per_token_logps"], "ref": inputs["ref_per_token_logps"]})
         pairs[-1]["mask"] = inputs["completion_mask"].bool()
@@ -400,7 +400,7 @@ def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, tin
     trainer._compute_loss, trainer._get_per_token_logps_and_entropies = loss, logps
     trainer.train()
     # two micro-steps before the first (and only) optimizer step; packed: the real ones among them (at least the last)
-    real = [not c.get("cost_aware_noop") for c in trainer._processed_buffer[:2]]
+    real = [not step.noop for step in trainer._generation.micro_steps[:2]]
     assert real[-1] and len(pairs) == sum(real) and (layout == "packed" or len(pairs) == 2)
     for pair in pairs:
         assert torch.equal(pair["old"][pair["mask"]], pair["new"][pair["mask"]])
@@ -484,7 +484,7 @@ def test_processed_micro_batches_replace_trls_buffer(tmp_path, tiny_model_path, 
     trainer.model.train()
     raw = [dataset[i] for i in range(8)]
     first = trainer._prepare_inputs(raw)
-    assert trainer._buffered_inputs is trainer._processed_buffer and first is trainer._buffered_inputs[0]
+    assert trainer._buffered_inputs is trainer._generation.micro_batches and first is trainer._buffered_inputs[0]
     trainer._step = 1
     assert trainer._prepare_inputs(raw) is trainer._buffered_inputs[1]
     assert "cost_aware_rows" not in first  # the host bookkeeping never reaches the loss
@@ -628,6 +628,18 @@ def test_placeholder_only_between_generation_and_rewards(tmp_path, tiny_model_pa
                 assert torch.isfinite(call()).all()  # after the rewards
             assert trainer._deferring is None and torch.isfinite(call()).all()
     assert torch.isfinite(real["generate"]).all() and torch.isfinite(real["rewards"]).all()
+
+
+def test_trl_indexes_the_buffer_it_splits():
+    """Drift guard for the trainer's one write to TRL's buffer (`_process_new_buffer`): TRL's `_prepare_inputs`
+    scores a generation batch, assigns its split to `self._buffered_inputs` once, then returns the entry at
+    `self._step % self.args.steps_per_generation` (so the processed list, written over it, is what TRL indexes)."""
+    source = inspect.getsource(GRPOTrainer._prepare_inputs)
+    assert source.count("self._buffered_inputs = ") == 1
+    scored = source.index("self._generate_and_score_completions(")
+    assigned = source.index("self._buffered_inputs = ")
+    indexed = source.index("self._buffered_inputs[self._step % self.args.steps_per_generation]")
+    assert scored < assigned < indexed
 
 
 def test_trl_runs_its_passes_between_generate_and_rewards():

@@ -480,7 +480,7 @@ def _without_kl_scale(monkeypatch, trainer):
     original = trainer._compute_loss
 
     def unscaled(model, inputs):
-        trainer._buffer_kl_scale = None
+        trainer._generation.plan = dataclasses.replace(trainer._generation.plan, kl_scale=None)
         return original(model, inputs)
 
     monkeypatch.setattr(trainer, "_compute_loss", unscaled)

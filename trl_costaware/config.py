@@ -125,6 +125,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             "choices": list(PROXIES),
         },
     )
+    # `str` though Python may pass a callable: HfArgumentParser/TrlParser call one type per field on the CLI's text.
     cost_aware_cost: str = field(
         default="prompt_completion",
         metadata={

@@ -10,6 +10,7 @@ import json
 import os
 import warnings
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoProcessor, ProcessorMixin
@@ -22,14 +23,7 @@ from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .rows.batching import noop_micro_batch, row_lengths, select_rows, trim_to_longest
 from .rows.deferred import DEFERRED_KEYS, VLLM_METRICS, deferred_passes, placeholder_logps, ratio_stats, scoring_window
 from .rows.layout import kept_multiple, layout_for, micro_token_factor
-from .rows.packed import (
-    BETA_SCALE_KEY,
-    METRIC_WEIGHTS_KEY,
-    NOOP_KEY,
-    noop_skippable,
-    pack_buffer,
-    token_weighted_means,
-)
+from .rows.packed import MicroStep, noop_skippable, pack_buffer, token_weighted_means
 from .rows.plan import (
     AcceleratorCollective,
     Plan,
@@ -52,6 +46,27 @@ MULTIMODAL_REFUSAL = (
     "cost_aware=True supports text-only models; this model has a multimodal processor whose image tensors are not "
     "per-row. Set cost_aware=False to train it with plain GRPO."
 )
+
+
+@dataclass
+class GenerationBatch:
+    """One generation batch from its draw to its last micro-step: the random streams before its draw (a checkpoint
+    inside it saves these, as TRL regenerates it on resume), its `plan` (None under `cost_aware=False`), its `kept`
+    rows until laid out, then its `micro_batches` (TRL's buffer) and what the loss needs of each (`micro_steps`)."""
+
+    start_streams: dict
+    plan: Plan | None = None
+    kept: dict | None = None
+    micro_batches: list[dict] | None = None
+    micro_steps: list[MicroStep] | None = None
+
+    def micro_step(self, inputs: dict) -> MicroStep:
+        """The `MicroStep` of the micro-batch `inputs` (its `completion_ids` tensor, so a shallow copy of the batch
+        keeps it); a plain one for a batch not laid out here."""
+        for batch, step in zip(self.micro_batches or (), self.micro_steps or (), strict=True):
+            if batch["completion_ids"] is inputs.get("completion_ids"):
+                return step
+        return MicroStep()
 
 
 def text_only_processing_class(model, processing_class, args):
@@ -77,8 +92,9 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     After TRL scores a generation batch, it draws m rows ∝ |A_i|/√c_i (smoothed), multiplies each kept row's advantage
     by its importance weight and hands the kept rows back to TRL, laid out in its own micro-batches (`self._layout`,
-    docs/layout.md). Dropped rows cost nothing after generation: the old-policy and reference passes run on kept rows
-    only, per micro-batch trimmed to its longest row. The path of one batch: docs/architecture.md. Hooks overridden:
+    docs/layout.md); what crosses hooks for one generation batch is one `GenerationBatch` (`self._generation`).
+    Dropped rows cost nothing after generation: the old-policy and reference passes run on kept rows only, per
+    micro-batch trimmed to its longest row. The path of one batch: docs/architecture.md. Hooks overridden:
     `_generate_and_score_completions` (draw, weights), `_generate` / `_calculate_rewards` /
     `_get_per_token_logps_and_entropies` (the deferred passes, `deferred.scoring_window`), `_prepare_inputs` (the
     layout, once per buffer), `_compute_loss` (no-op micro-steps, β), `log` (counters), `_save_checkpoint` /
@@ -163,15 +179,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             "rows_generated": 0.0,
             "rows_kept": 0.0,
         }
-        self._processed_buffer = None
         self._deferring = None  # TRL's log-prob passes are deferred while True (`deferred.scoring_window`)
-        self._batch_plan = None  # the plan of the latest generation batch (None: a subclass's own draw)
-        self._kept_host = None  # host statistics of its kept rows, by kept position
-        self._buffer_kl_scale = None  # β multiplier of the buffer being trained on (batch-token losses)
-        self._kept_batch = None  # the latest generation batch's kept rows, until `_process_new_buffer` lays them out
-        # The stream states at the start of the buffer being trained on: a checkpoint inside it saves these, since TRL
-        # regenerates that buffer on resume and its draw must then use the stream the interrupted draw used.
-        self._buffer_start_streams = None
+        self._generation: GenerationBatch | None = None  # the generation batch being trained on
         self._layout = layout_for(args, bool(self.aux_loss_enabled)) if args.cost_aware else "even"
         self._packed_metric_weights = []  # the packed micro-batches' metric weights since the last train log
 
@@ -179,7 +188,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)  # evaluation is untouched
-        self._buffer_start_streams = self._stream_states()
+        self._generation = generation = GenerationBatch(self._stream_states())
         if not self.args.cost_aware:
             batch = super()._generate_and_score_completions(inputs)
             self._record_generation(batch)
@@ -188,17 +197,15 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             batch = super()._generate_and_score_completions(inputs)
         for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
             batch.pop(key, None)
-        plan = self._draw_kept_rows(batch)  # host tensors
+        generation.plan = plan = self._draw_kept_rows(batch)  # host tensors
         kept, factors = plan.indices, plan.factors
-        self._batch_plan = plan if plan.totals is not None else None  # None: a row rule of a subclass's own
-        self._kept_host = plan.kept_stats
         advantages = batch["advantages"]
         batch = select_rows(batch, kept)  # host indices index the device tensors directly
         batch["advantages"] = batch["advantages"] * factors.to(device=advantages.device, dtype=advantages.dtype)
         # Each row's kept position, as a host list: TRL's shuffle and split carry it along with the rows, so each
         # micro-batch's rows (and their lengths, on the host) are known without reading the device.
         batch["cost_aware_rows"] = list(range(len(kept)))
-        self._kept_batch = batch  # all m rows: TRL's split drops the last m mod S (the packed layout keeps them)
+        generation.kept = batch  # all m rows: TRL's split drops the last m mod S (the packed layout keeps them)
         return batch
 
     # The deferred passes (`deferred.scoring_window`): TRL's log-prob passes between generation and the rewards.
@@ -332,8 +339,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ micro-batches: trim, group, count
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
-        buffer = self._buffered_inputs
-        if not self.model.training or buffer is None or buffer is self._processed_buffer:
+        buffer, generation = self._buffered_inputs, self._generation
+        if not self.model.training or buffer is None or generation is None or buffer is generation.micro_batches:
             return inputs  # evaluation, or a micro-batch of a buffer already processed (TRL indexes our list)
         # TRL has just generated and split a new generation batch: process all its micro-batches now, before any
         # update, and hand TRL the processed list. TRL's own index into its buffer, checked:
@@ -348,17 +355,20 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         return self._buffered_inputs[position]
 
     def _process_new_buffer(self):
-        """Runs once per generation batch, when TRL has just split it into micro-batches (before any update): the
-        layout (packed by `packed.pack_buffer`, or TRL's even split), trimming, the loss type's per-micro-batch
-        corrections and the deferred passes; replaces TRL's buffer by the result (one entry per micro-step
-        position)."""
+        """The one place where a generation batch's rows become its micro-batches. Runs once per generation batch,
+        when TRL has just shuffled and split it (before any update): the layout (packed by `packed.pack_buffer` in
+        TRL's shuffled order, or TRL's even split itself), trimming, the loss type's per-micro-batch corrections and
+        the deferred passes; the result replaces TRL's buffer (one entry per micro-step position)."""
         chunks = list(self._buffered_inputs)
-        host, plan = self._kept_host, self._batch_plan
-        kept_batch, self._kept_batch = self._kept_batch, None
+        generation = self._generation
+        plan, kept_batch, generation.kept = generation.plan, generation.kept, None
+        plan = plan if plan is not None and plan.totals is not None else None  # None: a row rule of a subclass's own
+        host = plan.kept_stats if plan is not None else None
+        steps = [MicroStep()] * len(chunks)
         if self.args.cost_aware and kept_batch is not None and self._layout == "packed":
-            chunks = self._packed_chunks(kept_batch, chunks, host, plan)
-            for c in chunks:
-                if not c.get(NOOP_KEY):
+            chunks, steps = map(list, zip(*self._packed_chunks(kept_batch, chunks, host, plan), strict=True))
+            for c, step in zip(chunks, steps, strict=True):
+                if not step.noop:
                     self._compute_deferred_logps(c)
         elif self.args.cost_aware:
             positions = [c.get("cost_aware_rows") for c in chunks]
@@ -376,11 +386,12 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             for c in chunks:
                 c.pop("cost_aware_rows", None)
                 self._compute_deferred_logps(c)
-        real = [c for c in chunks if not c.get(NOOP_KEY)]
-        self._buffer_kl_scale = plan.kl_scale if plan is not None else None
-        # TRL-private write 1 of 5: TRL's `_prepare_inputs` indexes its `_buffered_inputs` by `_step` and has no hook
-        # between its split and that index; the trainer's micro-batches (packed, trimmed) replace the buffer once.
-        self._buffered_inputs = self._processed_buffer = chunks
+        real = [c for c, step in zip(chunks, steps, strict=True) if not step.noop]
+        generation.micro_steps = steps
+        # TRL-private write 1 of 4: TRL's `_prepare_inputs` indexes its `_buffered_inputs` by `_step` and has no hook
+        # between its split and that index; the trainer's micro-batches (packed, trimmed) replace the buffer once
+        # (test_trl_indexes_the_buffer_it_splits guards that code of TRL's).
+        self._buffered_inputs = generation.micro_batches = chunks
         passes = self.num_iterations  # each micro-batch is trained on once per iteration
         # Tokens through the model with gradients on (shapes: no transfer); a no-op counts where it runs the model.
         counted = real if noop_skippable(self.accelerator) else chunks
@@ -401,7 +412,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             for key, value in self._sum_over_ranks(local, device).items():
                 self._cost_aware_totals[key] += value
 
-    def _packed_chunks(self, kept_batch, chunks, host, plan) -> list[dict]:
+    def _packed_chunks(self, kept_batch, chunks, host, plan) -> list[tuple[dict, MicroStep]]:
         """`packed.pack_buffer` on this buffer: rows are assigned to optimizer steps in TRL's shuffled order (the
         chunks' kept positions, then the m mod S rows TRL's split left out, the whole order then shuffled with the
         grouping stream); lengths from the plan's host statistics (a subclass's own draw: one transfer each)."""
@@ -429,25 +440,11 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             capacity=self.args.per_device_train_batch_size,
             fill=noop_skippable(self.accelerator),
-            noop=self._noop_micro_batch(kept_batch),
+            noop=noop_micro_batch(kept_batch),
             pad_to_multiple_of=self.pad_to_multiple_of,
             widths=widths,
             micro_tokens_full=plan.micro_tokens_full if plan is not None else None,
         )
-
-    def _noop_micro_batch(self, kept_batch):
-        """A no-op micro-step's batch (`batching.noop_micro_batch`: 1 row, 1 prompt token, 1 completion token the loss
-        does not see, advantage 0), with what TRL's loss reads besides: a reference log-prob when β ≠ 0 (−1e4: the
-        KL term exp(ref − logp) − (ref − logp) − 1 stays finite whatever the policy's log-prob, and the mask zeroes
-        it) and a unit importance-sampling ratio under vLLM's correction."""
-        noop = noop_micro_batch(kept_batch)
-        device = noop["completion_ids"].device
-        if self.beta != 0.0:
-            noop["ref_per_token_logps"] = torch.full((1, 1), -1e4, device=device)
-        if self.use_vllm and self.vllm_importance_sampling_correction:
-            noop["importance_sampling_ratio"] = torch.ones((1, 1), device=device)
-        noop[NOOP_KEY] = True
-        return noop
 
     def _compute_deferred_logps(self, chunk):
         """The old-policy / reference log-probs of one kept micro-batch, computed on the very tensors `_compute_loss`
@@ -508,7 +505,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             wire = self.accelerator.gather(wire.to(device))
         wire = wire.cpu()
         r = wire[:, :7].to(torch.int32).view(torch.float32).double()
-        # TRL-private write 2 of 5: TRL appended these five from the deferred (placeholder) pass, with no way to
+        # TRL-private write 2 of 4: TRL appended these five from the deferred (placeholder) pass, with no way to
         # recompute them; their latest values are replaced by the kept rows' values.
         metrics = self._metrics["train"]
         for key, value in zip(VLLM_METRICS, vllm_metrics(r), strict=True):
@@ -520,41 +517,34 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             self._cost_aware_totals[key] += value
 
     def _compute_loss(self, model, inputs):
-        """A packed no-op micro-step: on one process, and under DDP on a micro-step that does not sync, a zero loss
-        without the model (the packed layout puts the real micro-batches last in each optimizer step, so the syncing
-        micro-step runs the model); elsewhere TRL's loss on the 1-token no-op batch (zero gradient), with the metrics
-        TRL appends for it removed. A real micro-batch: TRL's loss with β scaled, here only, by the product of
-
-        - the buffer's `kl_scale` (a batch-token loss: the KL term is not importance-weighted, so under a full-batch
-          token normaliser it would shrink with the kept tokens; T_full / T_kept restores its size), and
-        - the packed micro-batch's `BETA_SCALE_KEY` (its share of the optimizer step's rows or tokens);
-
-        β stays > 0 when it was, so TRL's `beta != 0` branches (and their collectives) run on every rank alike."""
-        if not self.model.training:
+        """A no-op micro-step (packed layout) adds no gradient and no metric: a zero loss without the model where it
+        may skip it (one process; DDP off the syncing micro-step, and the packed layout puts real micro-batches last),
+        else zero times the policy's log-probs of its 1-token batch (DeepSpeed counts micro-steps, a syncing DDP step
+        all-reduces), not TRL's loss, which would log it. A real micro-batch: TRL's loss with β scaled, here only, by
+        the plan's `kl_scale` (a batch-token loss: the KL term is not importance-weighted, so under a full-batch token
+        normaliser it would shrink with the kept tokens; T_full / T_kept restores it) times `MicroStep.beta_scale`
+        (a packed micro-batch's share of its optimizer step's rows or tokens). β stays > 0 when it was, so TRL's
+        `beta != 0` branches (and their collectives) run on every rank alike."""
+        generation = self._generation
+        if not self.model.training or generation is None:
             return super()._compute_loss(model, inputs)
-        if inputs.get(NOOP_KEY):
+        step = generation.micro_step(inputs)
+        if step.noop:
             if noop_skippable(self.accelerator) and (
                 self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients
             ):
                 return torch.zeros((), device=inputs["completion_ids"].device, requires_grad=True)
-            # TRL-private write 3 of 5: TRL's `_compute_loss` appends its metrics unconditionally; a no-op micro-step
-            # that must run the model (DeepSpeed, a syncing DDP step) would log a micro-batch that trains nothing.
-            metrics = self._metrics["train"]
-            before = {key: len(values) for key, values in metrics.items()}
-            loss = super()._compute_loss(model, inputs)
-            for key in list(metrics):
-                if key not in before:
-                    del metrics[key]
-                else:
-                    del metrics[key][before[key] :]
-            return loss
-        weights = inputs.get(METRIC_WEIGHTS_KEY)
-        if weights is not None:
-            self._packed_metric_weights.append(weights)
-        scale = (self._buffer_kl_scale or 1.0) * inputs.get(BETA_SCALE_KEY, 1.0)
+            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
+            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            logps = self._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
+            return logps.sum() * 0.0
+        if step.metric_weights is not None:
+            self._packed_metric_weights.append(step.metric_weights)
+        kl_scale = generation.plan.kl_scale if generation.plan is not None else None
+        scale = (kl_scale or 1.0) * step.beta_scale
         if scale == 1.0 or self.beta == 0.0:
             return super()._compute_loss(model, inputs)
-        # TRL-private write 4 of 5: TRL's `_compute_loss` reads β from `self.beta` only (no argument, no per-batch
+        # TRL-private write 3 of 4: TRL's `_compute_loss` reads β from `self.beta` only (no argument, no per-batch
         # key), so the per-micro-batch β multiplier is applied by setting it around the call and restoring it.
         beta = self.beta
         self.beta = beta * scale
@@ -575,7 +565,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         tokens = [summed[f"t{k}"] for k in range(len(weights))]
         rows = [summed[f"r{k}"] for k in range(len(weights))]
         per_row = self.args.importance_sampling_level == "sequence"
-        # TRL-private write 5 of 5: TRL averages its per-micro-batch metric means unweighted at `log`; packed
+        # TRL-private write 4 of 4: TRL averages its per-micro-batch metric means unweighted at `log`; packed
         # micro-batches are unequal, so the window's entries are replaced by their token-weighted mean first.
         token_weighted_means(self._metrics["train"], tokens, rows, per_row)
 
@@ -610,7 +600,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         # that buffer's draw, so the regenerated draw uses the interrupted draw's stream and the rest of the run
         # continues the uninterrupted run's stream.
         inside_buffer = self._step % (self.args.steps_per_generation * self.num_iterations) != 0
-        streams = self._buffer_start_streams if inside_buffer and self._buffer_start_streams else self._stream_states()
+        generation = self._generation
+        streams = generation.start_streams if inside_buffer and generation is not None else self._stream_states()
         state.update(streams)
         state.update(
             totals=dict(self._cost_aware_totals),

@@ -196,7 +196,7 @@ def main(argv=None) -> int:
     rank = trainer.accelerator.process_index
     state = full_state_dict(trainer)
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
-    real_micro_batches = sum(not c.get("cost_aware_noop") for c in trainer._processed_buffer or [])
+    real_micro_batches = sum(not step.noop for step in trainer._generation.micro_steps or [])
     summary = {
         "rank": rank,
         "world_size": trainer.accelerator.num_processes,

@@ -96,8 +96,9 @@ def main(argv=None) -> int:
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
     from trl_costaware.embedded.arithmetic import arithmetic_dataset
+    from trl_costaware.rows.batching import noop_micro_batch
     from trl_costaware.rows.deferred import VLLM_METRICS
-    from trl_costaware.rows.packed import NOOP_KEY
+    from trl_costaware.rows.packed import NOOP
 
     config = CostAwareGRPOConfig(
         output_dir=os.path.join(args.out, "trainer"),
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         out = original_pack(kept_batch, chunks, host, plan)
         if not empty_here["on"]:
             return out
-        return [trainer._noop_micro_batch(kept_batch) for _ in out]
+        return [(noop_micro_batch(kept_batch), NOOP) for _ in out]
 
     trainer._packed_chunks = pack
     results = {}
@@ -147,7 +148,7 @@ def main(argv=None) -> int:
         trainer._buffered_inputs, trainer._step = None, 0
         trainer._prepare_inputs(next(batches))
         chunks = trainer._buffered_inputs
-        real = [c for c in chunks if not c.get(NOOP_KEY)]
+        real = [c for c, step in zip(chunks, trainer._generation.micro_steps, strict=True) if not step.noop]
         results.setdefault(mode, {})[case] = {
             "metrics": {key: list(trainer._metrics["train"][key]) for key in VLLM_METRICS},
             "totals": dict(trainer._cost_aware_totals),

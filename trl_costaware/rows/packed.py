@@ -1,7 +1,8 @@
 """The packed micro-batch layout of one generation batch, as plain functions with explicit inputs (docs/layout.md).
 
 `layout.packed_micro_steps` says which kept rows each micro-step position trains on; `pack_buffer` builds those
-micro-batches (trimmed, with the loss type's correction) and places the no-op micro-steps; `token_weighted_means`
+micro-batches (trimmed, with the loss type's correction, each with its `MicroStep`) and places the no-op micro-steps;
+`token_weighted_means`
 turns TRL's per-micro-batch metric means into means over the window's tokens. The trainer calls them and runs the
 loss of each micro-step (a no-op adds no gradient and no metric, and skips the model where that is safe:
 `noop_skippable`).
@@ -9,18 +10,27 @@ loss of each micro-step (a no-op adds no gradient and no metric, and skips the m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .batching import select_rows, trim_to_longest
 from .layout import micro_token_factor, optimizer_segments, packed_micro_steps, row_mean_scale, token_mean_scale
 from .plan import check_loss_type
 
-# Keys of the packed layout's micro-batches (host values; TRL's loss reads neither): a no-op micro-step, and the
-# multiplier of β for that micro-batch (`layout.row_mean_scale`, `layout.token_mean_scale`).
-NOOP_KEY = "cost_aware_noop"
-BETA_SCALE_KEY = "cost_aware_beta_scale"
-# This rank's (loss tokens, rows) of a real packed micro-batch: the weights of its metrics (`_token_weighted_metrics`).
-METRIC_WEIGHTS_KEY = "cost_aware_metric_weights"
+
+@dataclass(frozen=True)
+class MicroStep:
+    """What the trainer's loss needs of one micro-step beyond TRL's batch: `noop` (it trains nothing), its β
+    multiplier (`layout.row_mean_scale`, `layout.token_mean_scale`; 1 outside the packed layout) and this rank's
+    (loss tokens, rows) of a packed micro-batch, the weights of its metrics (`token_weighted_means`; else None)."""
+
+    noop: bool = False
+    beta_scale: float = 1.0
+    metric_weights: tuple[float, float] | None = None
+
+
+NOOP = MicroStep(noop=True)
 # TRL's per-micro-batch metrics that are a mean over the micro-batch's loss tokens on all ranks (`global_masked_mean`
 # in `GRPOTrainer._compute_loss`), or over its rows for a per-sequence value: "entropy" and "kl" always per token,
 # "vespo/phi_seq_mean" always per row, the clip ratios per token or, with importance_sampling_level="sequence", per
@@ -61,9 +71,9 @@ def pack_buffer(
     pad_to_multiple_of: int | None = None,
     widths: tuple[list[float], list[float]] | None = None,
     micro_tokens_full: float | None = None,
-) -> list[dict]:
-    """The packed layout of one generation batch: its S micro-step entries, each `noop` itself or a real micro-batch
-    carrying its β multiplier (`BETA_SCALE_KEY`) and its (loss tokens, rows) (`METRIC_WEIGHTS_KEY`).
+) -> list[tuple[dict, MicroStep]]:
+    """The packed layout of one generation batch: its S micro-step entries, each (`noop`, `NOOP`) or a real
+    micro-batch with its `MicroStep` (β multiplier, and its loss tokens and rows).
 
     `kept_batch` holds the m kept rows; `order` their positions in the order that assigns them to runs (TRL's shuffle);
     `lengths[i]` / `loss_tokens[i]` kept row i's tokens (prompt + completion) and loss tokens; `widths` (prompt,
@@ -80,7 +90,7 @@ def pack_buffer(
     out = []
     for position, rows in enumerate(steps):
         if rows is None:
-            out.append(noop)
+            out.append((noop, NOOP))
             continue
         index = torch.tensor(rows)
         width = None if widths is None else (max(widths[0][i] for i in rows), max(widths[1][i] for i in rows))
@@ -95,9 +105,7 @@ def pack_buffer(
             beta_scale = token_mean_scale(tokens, run_tokens[position // g], g)
             if micro_tokens_full is not None:
                 chunk["advantages"] = chunk["advantages"] * micro_token_factor(tokens, micro_tokens_full)
-        chunk[BETA_SCALE_KEY] = beta_scale
-        chunk[METRIC_WEIGHTS_KEY] = (tokens, float(len(rows)))
-        out.append(chunk)
+        out.append((chunk, MicroStep(beta_scale=beta_scale, metric_weights=(tokens, float(len(rows))))))
     return out
 
 
