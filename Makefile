@@ -163,7 +163,7 @@ bench-quick:
 bench-real-model-rows: install-smollm2
 	$(BENCH_ENV) $(BIN)/python benchmarks/real_model_rows.py --batches 12
 
-# GRPO against the row stage on SmolLM2-135M-Instruct: learning curves, 4 arms x 3 seeds (RESULTS.md §6; about
+# GRPO against the row stage on SmolLM2-135M-Instruct: learning curves, 4 arms x 3 seeds (RESULTS.md §0; about
 # 13 core-hours, resumable: rerun to continue). DRIVERS single-threaded drivers share the queue, one per core.
 DRIVERS ?= 2
 bench-real-model-learning: install-smollm2
