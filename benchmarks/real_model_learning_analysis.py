@@ -13,7 +13,9 @@ records (`real_model_learning.train`'s result files):
   on the curve by linear interpolation between evaluations (None: not reached);
 - per arm, the ratio to GRPO of the same seed (steps, policy tokens, compute), Δ score at the end (equal steps) and
   at the arm's own final compute (GRPO's curve interpolated there), with a bootstrap interval over seeds (no
-  interval below 3 seeds);
+  interval below 3 seeds), and the largest fall of its score between evaluations;
+- between each pair of non-GRPO arms, paired by seed: the difference of their ratios to GRPO (steps, compute) and
+  of their final scores, with the same interval;
 - from the GRPO runs' group log: the share of groups whose rewards are all equal (no gradient) and of the generated
   tokens they took, by step window; how well a prompt's earlier groups predict that its next one is such a group
   (ROC AUC, and the precision at the threshold that catches half of them).
@@ -274,6 +276,7 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
             "delta_equal_steps": interval(d_steps),
             "delta_equal_compute_gpu": interval(d_compute),
             "delta_equal_seconds": interval(d_seconds),
+            "largest_fall": interval([largest_fall(curves[(arm, s)]) for s in out["seeds"][arm]]),
             "step_s": sum(step) / sum(n_steps),
             "gen_s": sum(gen) / sum(n_steps),
             "update_share": (sum(step) - sum(gen)) / sum(step),
@@ -281,10 +284,42 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
             "generated_tokens_per_step": interval([step_rate(runs[(arm, s)])[0] for s in out["seeds"][arm]]),
             "commits": sorted({runs[(arm, s)]["commit"] for s in out["seeds"][arm]}),
         }
+    out["between_arms"] = between_arms(out, curves)
     eval_s = sum(r["eval"]["eval_s"] for run in runs.values() for r in run["steps"] if "eval" in r)
     train_s = sum(r["step_s"] for run in runs.values() for r in run["steps"])
     out["core_hours"] = {"train": train_s / 3600, "eval": eval_s / 3600, "total": (train_s + eval_s) / 3600}
     out["generation_side"] = generation_side([runs[(BASELINE, s)] for s in base_seeds])
+    return out
+
+
+def largest_fall(points: list[dict]) -> float:
+    """The largest drop of the held-out score from one evaluation to a later one (0 if it never falls)."""
+    best, fall = -math.inf, 0.0
+    for p in points:
+        best = max(best, p["score"])
+        fall = max(fall, best - p["score"])
+    return fall
+
+
+def between_arms(s: dict, curves: dict) -> dict:
+    """Each pair (a, b) of non-GRPO arms, paired by seed: b − a in the ratio to GRPO of steps and compute to each
+    target, and in the score at the last step; negative cost differences mean b cost less."""
+    arms = [a for a in s["arms"] if a != BASELINE]
+    out = {}
+    for i, a in enumerate(arms):
+        for b in arms[i + 1 :]:
+            seeds = sorted(set(s["seeds"][a]) & set(s["seeds"][b]))
+            row: dict = {"seeds": seeds}
+            for frac, t in s["targets"].items():
+                for x in ("step", "compute_gpu", "compute_gpu_gen77"):
+                    diffs = []
+                    for seed in seeds:
+                        ca, cb = t["arms"][a][x]["by_seed"][seed], t["arms"][b][x]["by_seed"][seed]
+                        base = t["arms"][BASELINE][x]["by_seed"].get(seed) if BASELINE in t["arms"] else None
+                        diffs.append((cb - ca) / base if None not in (ca, cb, base) and base else None)
+                    row[f"{x}@{frac}"] = interval(diffs)
+            row["end_score"] = interval([curves[(b, sd)][-1]["score"] - curves[(a, sd)][-1]["score"] for sd in seeds])
+            out[f"{b} - {a}"] = row
     return out
 
 
@@ -335,17 +370,32 @@ def report(s: dict) -> str:
     lines.append("")
     lines.append(
         "| arm | score | greedy | Δ at equal steps | Δ at equal compute (gpu) | Δ at equal CPU seconds | "
-        "step s | generation s | update share | policy tokens / step | commits |"
+        "largest fall | step s | generation s | update share | policy tokens / step | commits |"
     )
-    lines.append("|---|" + "---|" * 10)
+    lines.append("|---|" + "---|" * 11)
     for arm, e in s["end"].items():
         lines.append(
             f"| {arm} | {_iv(e['score'], '{:.3f}')} | {_iv(e['greedy'], '{:.3f}')} | "
             f"{_iv(e['delta_equal_steps'], '{:+.3f}')} | {_iv(e['delta_equal_compute_gpu'], '{:+.3f}')} | "
-            f"{_iv(e['delta_equal_seconds'], '{:+.3f}')} | {e['step_s']:.1f} | {e['gen_s']:.1f} | "
+            f"{_iv(e['delta_equal_seconds'], '{:+.3f}')} | {_iv(e['largest_fall'], '{:.3f}')} | "
+            f"{e['step_s']:.1f} | {e['gen_s']:.1f} | "
             f"{e['update_share']:.2f} | {e['policy_tokens_per_step']['mean']:.0f} | "
             f"{', '.join(c[:7] for c in e['commits'])} |"
         )
+    lines.append("")
+    lines.append("Largest fall: the largest drop of a run's score from one evaluation to a later one.")
+    if s["between_arms"]:
+        lines += ["", "## Between arms, paired by seed", ""]
+        lines.append("b − a in the ratio to GRPO of the same seed (negative: b cost less), and in the score at the")
+        lines.append("last step; mean [95% bootstrap over seeds].")
+        lines.append("")
+        measures = (("step", "steps"), ("compute_gpu", "compute (gpu)"), ("compute_gpu_gen77", "compute (gpu_gen77)"))
+        cols = [(f"{x}@{f}", f"{n} to {float(f):.0%}") for f in s["targets"] for x, n in measures]
+        lines.append("| b − a | seeds | " + " | ".join(n for _, n in cols) + " | score at the end |")
+        lines.append("|---|---|" + "---|" * (len(cols) + 1))
+        for pair, row in s["between_arms"].items():
+            cells = [_iv(row[k], "{:+.2f}") for k, _ in cols] + [_iv(row["end_score"], "{:+.3f}")]
+            lines.append(f"| {pair} | {', '.join(map(str, row['seeds']))} | " + " | ".join(cells) + " |")
     g = s["generation_side"]
     lines += ["", "## Generation side (GRPO runs)", ""]
     lines.append(

@@ -137,6 +137,28 @@ def test_costs_to_the_target_and_ratios_on_a_recorded_log(tmp_path):
     assert "slow" in rmla.report(s)
 
 
+def test_arms_are_compared_paired_by_seed_and_a_fall_is_measured():
+    runs = {}
+    for seed in range(3):
+        runs[("grpo", seed)] = _record("grpo", seed, [0.1, 0.5, 0.9], 1000, 2000, 10.0)
+        # a: GRPO's curve at half the policy tokens, but it falls from 0.9 to 0.7 on seed 0; b: two steps per GRPO step
+        a_end = 0.7 if seed == 0 else 0.9
+        runs[("a", seed)] = _record("a", seed, [0.1, 0.5, 0.9, a_end], 1000, 1000, 6.0)
+        runs[("b", seed)] = _record("b", seed, [0.1, 0.3, 0.5, 0.7, 0.9], 1000, 1000, 6.0)
+    s = rmla.summarise(runs)
+    assert rmla.largest_fall([{"score": v} for v in (0.1, 0.6, 0.4, 0.5, 0.3)]) == pytest.approx(0.3)
+    assert s["end"]["a"]["largest_fall"]["values"] == pytest.approx([0.2, 0.0, 0.0])
+    assert s["end"]["grpo"]["largest_fall"]["mean"] == 0.0
+    row = s["between_arms"]["b - a"]
+    assert row["seeds"] == [0, 1, 2]
+    # to 0.74: a at step 8 (as GRPO), b at step 16: b - a = +1.0 of GRPO's steps on every seed
+    assert row["step@0.8"]["values"] == pytest.approx([1.0, 1.0, 1.0])
+    assert row["step@0.8"]["lo"] == pytest.approx(1.0) and row["step@0.8"]["hi"] == pytest.approx(1.0)
+    # last scores: b 0.9 against a 0.7 / 0.9 / 0.9
+    assert row["end_score"]["values"] == pytest.approx([0.2, 0.0, 0.0])
+    assert "b - a" in rmla.report(s) and "Between arms" in rmla.report(s)
+
+
 def test_generation_side_shares_and_predictability():
     def group(step, a, rewards, tokens=10):
         return {
