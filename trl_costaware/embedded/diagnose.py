@@ -47,7 +47,7 @@ CRITERIA = {
 }
 
 
-# As the committed benchmarks/results/diagnose_{long,default}_start.json: 1,024 long rollouts, 2,048 default ones.
+# Generation batches per testbed: 1,024 long rollouts, 2,048 default ones.
 DEFAULT_BATCHES = {"long": 8, "default": 2}
 
 

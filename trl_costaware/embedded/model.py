@@ -54,7 +54,7 @@ def write_model_dir(
     """Save the tiny model's config, generation config and tokenizer to `out`, with `build_tiny_model(seed)`'s weights
     or, given `weights`, that ``model.safetensors`` copied byte for byte. `trained`: the config a warm-up's
     ``save_pretrained`` writes (``use_cache`` false, as the SFT trainer leaves it), so a shipped warm model's
-    directory is the one its benchmarks loaded."""
+    directory matches the one its warm-up saved."""
     model, tokenizer = build_tiny_model(seed)
     if trained:
         model.config.use_cache = False

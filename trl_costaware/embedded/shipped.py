@@ -8,11 +8,10 @@ So the testbeds load these files, each checked against the SHA-256 below,
 and the recipe is run only when asked: ``rebuild=True`` in `warmed_up_model_path` / `tiny_model_path`, or
 ``TRL_COSTAWARE_REBUILD=1`` in the environment.
 
-The files are exactly what ``save_pretrained`` wrote on the kind of machine that produced the committed benchmark
-results (an AMD EPYC with AVX-512; torch 2.13.0+cpu, transformers 5.24.0, trl 1.16.0, one thread), where these
-recipes rebuild bit for bit: `tiny` is `build_tiny_model(0)`, `default` and `long` are the `WARMUP_RECIPES` of those
-names at seed 0 and their default step counts, built from `tiny`. On an AVX2-only CPU the long recipe gives another
-testbed (held-out accuracy 0.510 instead of 0.623); the default one gives the same bits.
+The files are exactly what ``save_pretrained`` wrote on an AMD EPYC with AVX-512 (torch 2.13.0+cpu, transformers
+5.24.0, trl 1.16.0, one thread), where these recipes rebuild bit for bit: `tiny` is `build_tiny_model(0)`, `default`
+and `long` are the `WARMUP_RECIPES` of those names at seed 0 and their default step counts, built from `tiny`. On an
+AVX2-only CPU the long recipe gives another testbed (docs/embedded.md); the default one gives the same bits.
 """
 
 from __future__ import annotations

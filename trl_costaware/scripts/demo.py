@@ -294,7 +294,7 @@ def format_summary(summary: dict) -> str:
                     parts.append(f"{c / b:.2f}x its compute at {split_label(k, Split(**_split_fields(s)))}")
             lines.append(
                 f"Cost-Aware GRPO reached it with {', '.join(parts)} in this one run; one seed is an illustration, "
-                "the paired-seed results with intervals are in RESULTS.md §1."
+                "the paired-seed results with intervals are in RESULTS.md."
             )
     saved = 1 - ca["policy_tokens"] / base["policy_tokens"]
     lines.append(
