@@ -42,21 +42,22 @@ ENV = {
 # The arms name their kept fraction and weights: an arm must not change meaning when a default does.
 HALF = {"cost_aware_kept_fraction": 0.5}
 NONE = {"cost_aware_weight_normalization": "none"}
+ADV = {"cost_aware_proxy": "advantage"}  # the proxy these arms were measured with
 ARMS: dict[str, dict] = {
     "grpo": {"trainer": "grpo", "settings": {}},
     "zero_adv_filter": {"trainer": "zero_adv_filter", "settings": {}},
     "uniform_0.5": {"trainer": "cost_aware", "settings": {"cost_aware_proxy": "uniform", **HALF, **NONE}},
     "pods_0.5": {"trainer": "max_variance", "settings": {"cost_aware_kept_fraction": 0.5}},
-    "cost_aware_0.25": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.25, **NONE}},
-    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "cost_aware_proxy": "advantage"}},
-    "cost_aware_0.75": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.75, **NONE}},
+    "cost_aware_0.25": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.25, **NONE, **ADV}},
+    "cost_aware_0.5": {"trainer": "cost_aware", "settings": {**HALF, **NONE, **ADV}},
+    "cost_aware_0.75": {"trainer": "cost_aware", "settings": {"cost_aware_kept_fraction": 0.75, **NONE, **ADV}},
     "cost_aware_0.5_recenter": {
         "trainer": "cost_aware",
-        "settings": {**HALF, "cost_aware_weight_normalization": "recenter"},
+        "settings": {**HALF, "cost_aware_weight_normalization": "recenter", **ADV},
     },
     "cost_aware_0.25_recenter": {
         "trainer": "cost_aware",
-        "settings": {"cost_aware_kept_fraction": 0.25, "cost_aware_weight_normalization": "recenter"},
+        "settings": {"cost_aware_kept_fraction": 0.25, "cost_aware_weight_normalization": "recenter", **ADV},
     },
     # View B: GRPO on half the rollouts per step (32 prompts x 16), the policy tokens per step of a kept-0.5 arm.
     "grpo_half": {"trainer": "grpo", "settings": {"per_device_train_batch_size": 512}},
@@ -73,7 +74,10 @@ ARMS: dict[str, dict] = {
         "settings": {**HALF, "cost_aware_proxy": "loss_aware", **NONE},
     },
     # the row stage at half the prompts per step
-    "cost_aware_0.5_half": {"trainer": "cost_aware", "settings": {**HALF, **NONE, "per_device_train_batch_size": 512}},
+    "cost_aware_0.5_half": {
+        "trainer": "cost_aware",
+        "settings": {**HALF, **NONE, **ADV, "per_device_train_batch_size": 512},
+    },
 }
 # Settings an arm needs on a testbed whose recipe differs from the default one (e.g. half the rollouts per step).
 TESTBED_ARM_SETTINGS: dict[str, dict[str, dict]] = {

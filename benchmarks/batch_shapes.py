@@ -57,9 +57,10 @@ OUT = os.path.join(RESULTS, "batch_shapes")
 BACKENDS = {"single": None, "ddp": "multi_gpu", "zero2": "zero2", "zero3": "zero3"}
 ARMS = {
     "grpo": {"cost_aware": False},
-    # "layout" is not a config field: the trainer's layout is forced after construction
-    "even_0.5": {"cost_aware_kept_fraction": 0.5, "layout": "even"},
-    "packed_0.5": {"cost_aware_kept_fraction": 0.5, "layout": "packed"},
+    # "layout" is not a config field: the trainer's layout is forced after construction; the proxy is the one the
+    # committed results were measured with
+    "even_0.5": {"cost_aware_kept_fraction": 0.5, "cost_aware_proxy": "advantage", "layout": "even"},
+    "packed_0.5": {"cost_aware_kept_fraction": 0.5, "cost_aware_proxy": "advantage", "layout": "packed"},
 }
 SIZES = (1, 2, 16)
 MICRO_STEPS = 8

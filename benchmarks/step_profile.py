@@ -60,13 +60,15 @@ PHASES = (
     "optimizer",
     "other",
 )
+# The row-stage arms name their proxy (the one the committed profiles used): an arm must not change with a default.
+ADV = {"cost_aware_proxy": "advantage"}
 ARMS = {
     "grpo": {"cost_aware": False},
-    "cost_aware": {"cost_aware": True, "cost_aware_weight_normalization": "none"},
-    "cost_aware_recenter": {"cost_aware": True, "cost_aware_weight_normalization": "recenter"},
+    "cost_aware": {"cost_aware": True, "cost_aware_weight_normalization": "none", **ADV},
+    "cost_aware_recenter": {"cost_aware": True, "cost_aware_weight_normalization": "recenter", **ADV},
     # Same generation batch and sample as `cost_aware` (packed), under TRL's even split of the kept rows ("layout" is
     # not a config field: the trainer's layout is forced after construction).
-    "cost_aware_even": {"cost_aware": True, "cost_aware_weight_normalization": "none", "layout": "even"},
+    "cost_aware_even": {"cost_aware": True, "cost_aware_weight_normalization": "none", **ADV, "layout": "even"},
 }
 
 

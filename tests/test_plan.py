@@ -245,7 +245,7 @@ def test_plan_settings_mirror_the_config():
     s = PlanSettings()
     assert (s.kept_fraction, s.token_budget, s.weight_normalization) == (0.5, None, "none")
     default = PlanSettings.from_args(make_config(), False, 1)
-    assert (default.kept_fraction, default.weight_normalization, default.proxy) == (0.5, "none", "advantage")
+    assert (default.kept_fraction, default.weight_normalization, default.proxy) == (0.5, "none", "loss_aware")
     args = make_config(
         loss_type="dapo",
         cost_aware_kept_fraction=0.25,

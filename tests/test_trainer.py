@@ -165,7 +165,7 @@ def test_kept_fraction_one_matches_grpo_trainer_weights(tmp_path, tiny_model_pat
         dict(steps_per_generation=4, gradient_accumulation_steps=2),
         dict(cost_aware_weight_normalization="recenter"),
         dict(cost_aware_token_budget=60),
-        dict(cost_aware_cost="completion", cost_aware_proxy="loss_aware"),
+        dict(cost_aware_cost="completion", cost_aware_proxy="advantage"),
         dict(cost_aware_proxy="uniform"),
         dict(loss_type="dapo", beta=0.05),
     ],
@@ -341,7 +341,10 @@ def test_kept_rows_follow_the_configured_rule(tmp_path, tiny_model_path, dataset
     the cap does not bind."""
     from trl_costaware.rows.sampling import sampling_distribution, sampling_scores, sequence_costs
 
-    overrides = dict(steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05)
+    # the expected count below is computed with the |A|/√c scores
+    overrides = dict(
+        steps_per_generation=2, gradient_accumulation_steps=2, max_steps=4, beta=0.05, cost_aware_proxy="advantage"
+    )
     multiple = 2 if layout == "even" else 1
     if rule == "fraction":
         overrides["cost_aware_kept_fraction"] = 0.7  # 0.7 · 16 = 11.2 → 11 (packed) → 10 (even: multiple of 2)

@@ -292,7 +292,7 @@ OPTIONS = {
     "zero_signal_capped": dict(reward="binary", cost_aware_kept_fraction=0.9),
     "zero_signal_beta": dict(reward="binary", beta=0.05),
     "token_budget": dict(cost_aware_token_budget=150),
-    "proxy_loss_aware": dict(cost_aware_proxy="loss_aware"),
+    "proxy_advantage": dict(cost_aware_proxy="advantage"),
     "proxy_uniform": dict(cost_aware_proxy="uniform"),
     # steps_per_generation = 2 × GA: 4 micro-batches of 2 kept rows, two optimizer steps, summed over the whole
     # generation batch (against 2 × the full-batch gradient, see `_coverage`)

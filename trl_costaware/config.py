@@ -72,10 +72,11 @@ class CostAwareGRPOConfig(GRPOConfig):
             per generation batch. m is the largest count whose expected kept cost Σ π_i(m) c_i (the systematic draw's,
             exactly, fillers included) is at most the budget, smallest over ranks: each rank keeps at most the budget
             in expectation, unless a single row already exceeds it (then one row, or the layout's unit).
-        cost_aware_proxy (`str`, *optional*, defaults to `"advantage"`):
-            The gradient-norm proxy G_i the draw uses, p_i ∝ G_i / √c_i: `"advantage"` (|A_i|, the paper's),
-            `"loss_aware"` (|A_i| · h_i, h_i from the loss type's normaliser and the row's length) or `"uniform"`
-            (every row that can carry gradient alike: uniform subsampling, the arm to compare against).
+        cost_aware_proxy (`str`, *optional*, defaults to `"loss_aware"`):
+            The gradient-norm proxy G_i the draw uses, p_i ∝ G_i / √c_i: `"loss_aware"` (|A_i| · h_i, h_i from the
+            loss type's normaliser and the row's loss tokens, weighted by the sampled tokens' confidence when the
+            generator returns their log-probabilities), `"advantage"` (|A_i|, the paper's) or `"uniform"` (every row
+            that can carry gradient alike: uniform subsampling, the arm to compare against).
         cost_aware_cost (`str` or callable, *optional*, defaults to `"prompt_completion"`):
             Row cost c_i: `"prompt_completion"` (non-padding prompt + completion tokens), `"completion"`, a callable
             `fn(prompt_mask, completion_mask) -> Tensor[N]` (e.g. a FLOPs model), or an import path
@@ -118,10 +119,11 @@ class CostAwareGRPOConfig(GRPOConfig):
         },
     )
     cost_aware_proxy: str = field(
-        default="advantage",
+        default="loss_aware",
         metadata={
-            "help": "Gradient-norm proxy G of the draw p ∝ G/sqrt(c): 'advantage' (|A|), 'loss_aware' (|A| h, h from "
-            "the loss type and the row's length) or 'uniform' (uniform subsampling of the informative rows).",
+            "help": "Gradient-norm proxy G of the draw p ∝ G/sqrt(c): 'loss_aware' (|A| h, h from the loss type and "
+            "the row's length), 'advantage' (|A|, the paper's) or 'uniform' (uniform subsampling of the informative "
+            "rows).",
             "choices": list(PROXIES),
         },
     )

@@ -90,15 +90,16 @@ def text_only_processing_class(model, processing_class, args):
 class CostAwareGRPOTrainer(GRPOTrainer):
     """Drop-in replacement for [`trl.GRPOTrainer`] implementing Cost-Aware GRPO.
 
-    After TRL scores a generation batch, it draws m rows ∝ |A_i|/√c_i (smoothed), multiplies each kept row's advantage
-    by its importance weight and hands the kept rows back to TRL, laid out in its own micro-batches (`self._layout`,
-    docs/layout.md); what crosses hooks for one generation batch is one `GenerationBatch` (`self._generation`).
-    Dropped rows cost nothing after generation: the old-policy and reference passes run on kept rows only, per
-    micro-batch trimmed to its longest row. The path of one batch: docs/architecture.md. Hooks overridden:
-    `_generate_and_score_completions` (draw, weights), `_generate` / `_calculate_rewards` /
-    `_get_per_token_logps_and_entropies` (the deferred passes, `deferred.scoring_window`), `_prepare_inputs` (the
-    layout, once per buffer), `_compute_loss` (no-op micro-steps, β), `log` (counters), `_save_checkpoint` /
-    `_load_optimizer_and_scheduler` (the sampler's streams, so a resumed run draws what the uninterrupted one would).
+    After TRL scores a generation batch, it draws m rows ∝ G_i/√c_i (smoothed; G_i the `cost_aware_proxy`), multiplies
+    each kept row's advantage by its importance weight and hands the kept rows back to TRL, laid out in its own
+    micro-batches (`self._layout`, docs/layout.md); what crosses hooks for one generation batch is one
+    `GenerationBatch` (`self._generation`). Dropped rows cost nothing after generation: the old-policy and reference
+    passes run on kept rows only, per micro-batch trimmed to its longest row. The path of one batch:
+    docs/architecture.md. Hooks overridden: `_generate_and_score_completions` (draw, weights), `_generate` /
+    `_calculate_rewards` / `_get_per_token_logps_and_entropies` (the deferred passes, `deferred.scoring_window`),
+    `_prepare_inputs` (the layout, once per buffer), `_compute_loss` (no-op micro-steps, β), `log` (counters),
+    `_save_checkpoint` / `_load_optimizer_and_scheduler` (the sampler's streams, so a resumed run draws what the
+    uninterrupted one would).
 
     Args: those of `GRPOTrainer.__init__`, with the same defaults; `args` must be a [`CostAwareGRPOConfig`] (a plain
     `GRPOConfig` is rejected).

@@ -129,7 +129,7 @@ class PlanSettings:
     loss_type: str = "grpo"
     kept_fraction: float = 0.5
     token_budget: float | None = None  # if set, replaces kept_fraction
-    proxy: str = "advantage"
+    proxy: str = "loss_aware"
     smoothing: float = 0.1
     weight_normalization: str = "none"
     steps_per_generation: int = 1
