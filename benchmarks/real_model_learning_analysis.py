@@ -48,6 +48,16 @@ def load_runs(results: str) -> dict[tuple[str, int], dict]:
     return runs
 
 
+def load_reevaluations(results: str) -> dict[str, dict]:
+    """`real_model_learning.reevaluate`'s records, by run name."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(results, "reevaluations", "*.json"))):
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+        found[record["run"]] = record
+    return found
+
+
 def step_rate(run: dict) -> tuple[float, float]:
     """(generated, policy) tokens per step of a run, over all its steps."""
     last = run["steps"][-1]
@@ -429,6 +439,22 @@ def report(s: dict) -> str:
             f"  ({g['predicted_groups']} groups whose prompt was seen earlier in the run; "
             f"{g['predicted_positive_share']:.2f} of them without gradient)"
         )
+    if s.get("reevaluations"):
+        lines += [
+            "",
+            "## End scores evaluated again",
+            "",
+            "A run's last checkpoint evaluated at more seeds (`--reevaluate K`): the recorded score is one draw.",
+            "",
+            "| run | step | recorded | again: mean [min, max] | seeds | recorded seed reproduced |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in sorted(s["reevaluations"].items()):
+            lines.append(
+                f"| {name} | {r['step']} | {r['recorded']['score']:.3f} | {r['score']:.3f} "
+                f"[{min(r['scores']):.3f}, {max(r['scores']):.3f}] | {len(r['scores'])} | "
+                f"{'yes' if r['reproduced'] else 'no'} |"
+            )
     ch = s["core_hours"]
     lines += [
         "",
@@ -480,6 +506,7 @@ def analyse(results: str) -> dict:
     if not runs:
         raise SystemExit(f"no finished run in {os.path.join(results, 'runs')}")
     s = summarise(runs)
+    s["reevaluations"] = load_reevaluations(results)
     with open(os.path.join(results, "summary.json"), "w", encoding="utf-8") as fh:
         json.dump(s, fh, indent=1)
     md = report(s)

@@ -52,12 +52,28 @@ def test_smoke_resume_matches_an_uninterrupted_run_and_the_driver_skips_finished
     assert rml.drive(["advantage_0.5"], [0], out, res, smoke=True) == []
     assert os.path.getmtime(os.path.join(res, "runs", "advantage_0.5__s0.json")) == before
 
+    # the end score evaluated again from the last checkpoint: the recorded seed reproduces the recorded score
+    _smoke(tmp_path, "resumed", "--arms", "advantage_0.5,grpo", "--reevaluate", "2")  # grpo: not run, skipped
+    again = json.load(open(os.path.join(res, "reevaluations", "advantage_0.5__s0.json"), encoding="utf-8"))
+    assert again["reproduced"] and again["step"] == 2 and len(again["scores"]) == len(set(again["seeds"])) == 2
+    assert again["recorded"]["score"] == resumed["steps"][-1]["eval"]["score"]
+    assert not os.path.exists(os.path.join(res, "reevaluations", "grpo__s0.json"))
+    assert rml.reevaluate("advantage_0.5", 0, str(tmp_path / "elsewhere"), res, 2, smoke=True) is None  # no checkpoint
+    with pytest.raises(SystemExit, match="--reevaluate"):
+        rml.main(["--reevaluate", "0"])
+
 
 def test_smoke_analysis_writes_its_files(tmp_path):
     out, res = _smoke(tmp_path, "both", "--arms", "grpo,uniform_0.5")
+    os.makedirs(os.path.join(res, "reevaluations"))
+    record = dict(run="grpo__s0", step=2, recorded={"score": 0.5, "greedy": 1.0}, reproduced=True, scores=[0.25, 0.75])
+    with open(os.path.join(res, "reevaluations", "grpo__s0.json"), "w", encoding="utf-8") as fh:
+        json.dump(dict(record, score=0.5), fh)
     summary = rmla.analyse(res)
     for name in ("summary.json", "summary.md", "curves.png"):
         assert os.path.getsize(os.path.join(res, name)) > 0
+    assert summary["reevaluations"]["grpo__s0"]["score"] == 0.5
+    assert "| grpo__s0 | 2 | 0.500 | 0.500 [0.250, 0.750] | 2 | yes |" in open(os.path.join(res, "summary.md")).read()
     assert summary["arms"] == ["grpo", "uniform_0.5"]
     # the GRPO arm trains on every rollout; the row stage on about half (at least one row per step)
     grpo, uniform = (summary["end"][a]["policy_tokens_per_step"]["mean"] for a in ("grpo", "uniform_0.5"))
