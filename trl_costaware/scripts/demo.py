@@ -246,7 +246,10 @@ def _default_settings() -> str:
     from trl_costaware import CostAwareGRPOConfig
 
     d = {f.name: f.default for f in dataclasses.fields(CostAwareGRPOConfig)}
-    return f"kept fraction {d['cost_aware_kept_fraction']!r}, weights {d['cost_aware_weight_normalization']!r}"
+    return (
+        f"kept fraction {d['cost_aware_kept_fraction']!r}, proxy {d['cost_aware_proxy']!r}, "
+        f"weights {d['cost_aware_weight_normalization']!r}"
+    )
 
 
 def _reach(summary: dict, value, fmt) -> str:
