@@ -267,6 +267,17 @@ def _make_reward(tokenizer, run_dir: str, generations: int):
     return times_table_reward
 
 
+def model_and_lora(smoke: bool) -> tuple[str, dict]:
+    """(model path, LoRA settings): SmolLM2-135M-Instruct, or in smoke mode the embedded tiny model."""
+    if smoke:
+        from trl_costaware.embedded import tiny_model_path
+
+        return tiny_model_path(), dict(LORA, target_modules="all-linear")
+    from trl_costaware.embedded.smollm2 import smollm2
+
+    return smollm2(), LORA
+
+
 def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, steps: int | None = None) -> dict:
     """Train (or resume) one run for `steps` optimizer steps (default: the recipe's); write its result file; return
     it."""
@@ -285,15 +296,7 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
     )  # fmt: skip
     if steps is not None:
         shape["steps"] = steps
-    if smoke:
-        from trl_costaware.embedded import tiny_model_path
-
-        model_path = tiny_model_path()
-        lora = dict(LORA, target_modules="all-linear")
-    else:
-        from trl_costaware.embedded.smollm2 import smollm2
-
-        model_path, lora = smollm2(), LORA
+    model_path, lora = model_and_lora(smoke)
     run_dir = os.path.join(out, "runs", run_name(arm, seed))
     os.makedirs(run_dir, exist_ok=True)
     checkpoint, done_steps = latest_checkpoint(run_dir)
@@ -430,14 +433,7 @@ def reevaluate(arm: str, seed: int, out: str, results: str, k: int, smoke: bool 
         print(f"{name}: no checkpoint at its last step {final['step']} in {out}; skipped", flush=True)
         return None
     torch.set_num_threads(1)
-    if smoke:
-        from trl_costaware.embedded import tiny_model_path
-
-        model_path = tiny_model_path()
-    else:
-        from trl_costaware.embedded.smollm2 import smollm2
-
-        model_path = smollm2()
+    model_path, _ = model_and_lora(smoke)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     shape = run["shape"]
     evaluator = Evaluator(tokenizer, shape["eval_n"], shape["eval_samples"], shape["cap"])

@@ -243,8 +243,8 @@ def test_plan_settings_mirror_the_config():
     from testing_utils import make_config
 
     s = PlanSettings()
-    assert (s.kept_fraction, s.token_budget, s.weight_normalization) == (0.5, None, "none")
     default = PlanSettings.from_args(make_config(), False, 1)
+    assert (s.kept_fraction, s.token_budget, s.weight_normalization, s.proxy) == (0.5, None, "none", default.proxy)
     assert (default.kept_fraction, default.weight_normalization, default.proxy) == (0.5, "none", "loss_aware")
     args = make_config(
         loss_type="dapo",

@@ -54,9 +54,9 @@ class CostAwareGRPOConfig(GRPOConfig):
 
     Inherits every parameter of [`trl.GRPOConfig`] and adds those of Cost-Aware GRPO (Mohri, Globerson, Kaplan, Koren,
     Mansour, "Cost-Aware Learning", arXiv 2604.28020): after each generation batch is scored, only a sample of its rows
-    is used for the policy update, drawn with probability ∝ |A_i| / √c_i (advantage over the square root of the row's
-    token cost) and importance-weighted so that the policy term of the loss stays an unbiased estimate of the
-    full-batch GRPO policy term, for every supported `loss_type`.
+    is used for the policy update, drawn with probability ∝ G_i / √c_i (a gradient-norm proxy over the square root of
+    the row's token cost) and importance-weighted so that the policy term of the loss stays an unbiased estimate of
+    the full-batch GRPO policy term, for every supported `loss_type`.
 
     Parameters:
         > Parameters that control which rows are trained on
@@ -122,8 +122,7 @@ class CostAwareGRPOConfig(GRPOConfig):
         default="loss_aware",
         metadata={
             "help": "Gradient-norm proxy G of the draw p ∝ G/sqrt(c): 'loss_aware' (|A| h, h from the loss type and "
-            "the row's length), 'advantage' (|A|, the paper's) or 'uniform' (uniform subsampling of the informative "
-            "rows).",
+            "the row's length), 'advantage' (|A|, the paper's) or 'uniform' (uniform over the informative rows).",
             "choices": list(PROXIES),
         },
     )
@@ -186,8 +185,6 @@ class CostAwareGRPOConfig(GRPOConfig):
             return
         check_loss_type(self.loss_type)  # a ValueError naming loss_type and the supported ones, before any load
         if self.top_entropy_quantile < 1.0:
-            # TRL takes the entropy threshold over the tokens of the current micro-batch, so a kept row's loss depends
-            # on which other rows were drawn: no per-row weight makes that unbiased for the full batch's loss.
             raise ValueError(
                 f"top_entropy_quantile={self.top_entropy_quantile} is not supported with cost_aware=True: TRL's "
                 "entropy threshold is a quantile over the micro-batch's tokens, which sampling changes, so the "

@@ -241,15 +241,11 @@ def run_demo(
 
 def _default_settings() -> str:
     """The defaults the Cost-Aware arm runs with, read from the config class."""
-    import dataclasses
-
     from trl_costaware import CostAwareGRPOConfig
 
-    d = {f.name: f.default for f in dataclasses.fields(CostAwareGRPOConfig)}
-    return (
-        f"kept fraction {d['cost_aware_kept_fraction']!r}, proxy {d['cost_aware_proxy']!r}, "
-        f"weights {d['cost_aware_weight_normalization']!r}"
-    )
+    fld = CostAwareGRPOConfig.__dataclass_fields__
+    kept, proxy, weights = (fld[f"cost_aware_{k}"].default for k in ("kept_fraction", "proxy", "weight_normalization"))
+    return f"kept fraction {kept!r}, proxy {proxy!r}, weights {weights!r}"
 
 
 def _reach(summary: dict, value, fmt) -> str:
@@ -261,10 +257,11 @@ def _reach(summary: dict, value, fmt) -> str:
 def format_summary(summary: dict) -> str:
     splits = summary.get("compute_splits", {})
     compute_cols = [f"compute to target ({split_label(k, Split(**_split_fields(s)))})" for k, s in splits.items()]
+    n, p = summary["heldout_problems"], summary["arms"]["grpo"]["heldout_accuracy_start"]
     lines = [
         f"Embedded {summary.get('testbed', 'default')} testbed, {summary['steps']} steps per arm, seed "
         f"{summary['seed']}, same prompts and rollouts; "
-        f"held-out accuracy on {summary['heldout_problems']} problems (one sample at T=1; ±0.02).",
+        f"held-out accuracy on {n} problems (one sample at T=1; SE ±{math.sqrt(max(p * (1 - p), 1e-4) / n):.2f}).",
         "",
         "| arm | held-out acc start → end | greedy start → end | policy tokens | policy tokens to target | "
         + "".join(f"{c} | " for c in compute_cols)
