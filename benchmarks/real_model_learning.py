@@ -94,9 +94,32 @@ ARMS: dict[str, dict] = {
     "advantage_0.5": {**KEPT_HALF, "cost_aware_proxy": "advantage"},
     "loss_aware_0.5": {**KEPT_HALF, "cost_aware_proxy": "loss_aware"},
     "uniform_0.5": {**KEPT_HALF, "cost_aware_proxy": "uniform"},
+    # GRPO's own alternatives: a smaller batch, and dropping only the rows without gradient (kept fraction 1: every
+    # row with a non-zero advantage, rounded down to the layout's unit, weight 1 when all are kept)
+    "grpo_4x8": {"cost_aware": False},
+    "grpo_8x4": {"cost_aware": False},
+    "filter_only": {**KEPT_HALF, "cost_aware_kept_fraction": 1.0, "cost_aware_proxy": "advantage"},
+    # generate more, keep a subset: the update of GRPO at 4 x 8 on rows drawn from four times as many
+    "loss_aware_0.25_8x16": {**KEPT_HALF, "cost_aware_kept_fraction": 0.25, "cost_aware_proxy": "loss_aware"},
 }
-# The smoke mode: the embedded tiny model, 2 prompts x 4, 2 steps, evaluated at every step on 4 problems.
+# Arms at another batch than the recipe's (prompts, rollouts per prompt) per step; the same 4 micro-batches.
+SHAPES: dict[str, tuple[int, int]] = {"grpo_4x8": (4, 8), "grpo_8x4": (8, 4), "loss_aware_0.25_8x16": (8, 16)}
+# The smoke mode: the embedded tiny model, 2 prompts x 4, 2 steps, evaluated at every step on 4 problems (an arm's
+# shape scaled down by the same factors: 4 x 8 -> 1 x 4, 8 x 16 -> 2 x 8).
 SMOKE = dict(steps=2, eval_every=1, eval_n=4, eval_samples=2, prompts=2, generations=4, micro_batches=2, cap=8)
+
+
+def arm_shape(arm: str, smoke: bool = False) -> dict:
+    """The run's shape: steps, evaluation and batch (`prompts` x `generations` in `micro_batches`), for `arm`."""
+    if smoke:
+        shape = dict(SMOKE)
+    else:
+        shape = dict(steps=STEPS, eval_every=EVAL_EVERY, eval_n=EVAL_N, eval_samples=EVAL_SAMPLES, prompts=PROMPTS,
+                     generations=GENERATIONS, micro_batches=MICRO_BATCHES, cap=CAP)  # fmt: skip
+    prompts, generations = SHAPES.get(arm, (PROMPTS, GENERATIONS))
+    shape["prompts"] = max(1, shape["prompts"] * prompts // PROMPTS)
+    shape["generations"] = max(2, shape["generations"] * generations // GENERATIONS)
+    return shape
 
 
 # ====================================================================================================== one run
@@ -290,10 +313,7 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
     from trl_costaware.embedded.times_table import times_table_dataset
 
     torch.set_num_threads(1)
-    shape = dict(SMOKE) if smoke else dict(
-        steps=STEPS, eval_every=EVAL_EVERY, eval_n=EVAL_N, eval_samples=EVAL_SAMPLES, prompts=PROMPTS,
-        generations=GENERATIONS, micro_batches=MICRO_BATCHES, cap=CAP,
-    )  # fmt: skip
+    shape = arm_shape(arm, smoke)
     if steps is not None:
         shape["steps"] = steps
     model_path, lora = model_and_lora(smoke)
@@ -338,15 +358,18 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
 
     class Log(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
             Timed.gen_s = 0.0
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             step_s = time.perf_counter() - self.t0
+            cpu_s = time.process_time() - self.cpu0
             totals = trainer._cost_aware_totals
             row = {
                 "step": state.global_step,
                 "step_s": step_s,
+                "cpu_s": cpu_s,  # this process's CPU seconds: with one run per core, close to step_s
+                "load": os.getloadavg()[0],  # the machine's 1-minute load: runs beside this one
                 "gen_s": Timed.gen_s,
                 "generated_tokens": totals["generated_tokens"],
                 "policy_tokens": totals["policy_tokens"],
@@ -381,6 +404,7 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
         "model": os.path.basename(model_path.rstrip("/")),
         "shape": shape,
         "commit": package_commit(),
+        "cores": sorted(os.sched_getaffinity(0)),
         "resumed_from_step": done_steps,
         "base_eval": base_eval,
         "steps": read_jsonl(os.path.join(run_dir, "steps.jsonl")),
@@ -532,6 +556,12 @@ def main(argv=None) -> None:
     parser.add_argument("--results", default=RESULTS_DIR, help="finished runs and the analysis (default %(default)s)")
     parser.add_argument("--smoke", action="store_true", help="the embedded tiny model, 2 steps: checks the harness")
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {STEPS}; smoke 2)")
+    parser.add_argument(
+        "--core",
+        type=int,
+        default=None,
+        help="pin this driver and its runs to one CPU core (one driver per core, so CPU seconds compare across arms)",
+    )
     parser.add_argument("--analyse", action="store_true", help="only analyse the finished runs in --results")
     parser.add_argument("--no-analyse", action="store_true", help="run without analysing at the end")
     parser.add_argument(
@@ -542,6 +572,10 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--worker", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.core is not None:
+        if args.core not in os.sched_getaffinity(0):
+            raise SystemExit(f"--core: one of this process's cores {sorted(os.sched_getaffinity(0))}, got {args.core}")
+        os.sched_setaffinity(0, {args.core})
     if args.worker:
         train(args.worker[0], int(args.worker[1]), args.out, args.results, args.smoke, args.steps)
         return
