@@ -124,7 +124,7 @@ def _train_arm(arm, size, args, model_path, tokenizer):
         processing_class=tokenizer,
     )
     if "layout" in ARMS[arm]:
-        trainer._layout = ARMS[arm]["layout"]
+        trainer._cost_aware.layout = ARMS[arm]["layout"]
     counts = {"grad_tokens": 0, "grad_forwards": 0, "train_s": 0.0, "generate_s": 0.0}
 
     def hook(module, args_, kwargs):
@@ -147,7 +147,7 @@ def _train_arm(arm, size, args, model_path, tokenizer):
     handle = trainer.model.register_forward_pre_hook(hook, with_kwargs=True)
     trainer.train()
     handle.remove()
-    totals = trainer._cost_aware_totals
+    totals = trainer._cost_aware.totals
     result = {
         **counts,
         "update_s": counts["train_s"] - counts["generate_s"],
@@ -156,7 +156,7 @@ def _train_arm(arm, size, args, model_path, tokenizer):
         "policy_tokens_padded": totals["policy_tokens_padded"],
         "rows_generated": totals["rows_generated"],
         "rows_kept": totals["rows_kept"],
-        "layout": trainer._layout if config.cost_aware else "grpo",
+        "layout": trainer._cost_aware.layout if config.cost_aware else "grpo",
         "distributed_type": str(trainer.accelerator.distributed_type),
         "num_processes": trainer.accelerator.num_processes,
         "rank": trainer.accelerator.process_index,

@@ -50,8 +50,8 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 from _common import ENV, checked_names  # noqa: E402
+from real_model_learning_analysis import RESULTS_DIR, analyse  # noqa: E402
 
-RESULTS_DIR = os.path.join(HERE, "results", "real_model_learning")
 OUT_DIR = os.path.join(ROOT, "outputs", "bench", "real_model_learning")
 
 STEPS = 30
@@ -364,7 +364,7 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
         def on_step_end(self, args, state, control, model=None, **kwargs):
             step_s = time.perf_counter() - self.t0
             cpu_s = time.process_time() - self.cpu0
-            totals = trainer._cost_aware_totals
+            totals = trainer._cost_aware.totals
             row = {
                 "step": state.global_step,
                 "step_s": step_s,
@@ -596,8 +596,6 @@ def main(argv=None) -> None:
         else:
             drive(arms, seeds, args.out, args.results, args.smoke, args.steps)
     if not args.no_analyse:
-        from real_model_learning_analysis import analyse
-
         analyse(args.results)
 
 

@@ -32,6 +32,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+RESULTS_DIR = os.path.join(HERE, "results", "real_model_learning")  # real_model_learning.py writes its runs here
 TARGET_FRACTIONS = (0.8, 0.5)
 SPLITS = ("gpu", "gpu_gen77")
 BASELINE = "grpo"
@@ -519,8 +520,6 @@ def analyse(results: str) -> dict:
 
 def main(argv=None) -> None:
     import argparse
-
-    from real_model_learning import RESULTS_DIR
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", nargs="?", default=RESULTS_DIR, help="the results folder (default %(default)s)")

@@ -91,7 +91,7 @@ def _budget_callback(weights: list, budget: float):
             self.trainer = trainer
 
         def on_step_end(self, args, state, control, **kwargs):
-            t = self.trainer._cost_aware_totals
+            t = self.trainer._cost_aware.totals
             if min(w.compute(t["generated_tokens"], t["policy_tokens"]) for w in weights) >= budget - 1e-9:
                 state.max_steps = state.global_step
                 control.should_training_stop = True

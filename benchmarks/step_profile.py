@@ -339,7 +339,7 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
     layout = (args.per_device_train_batch_size, args.gradient_accumulation_steps)
     trainer = CostAwareGRPOTrainer(model_path, [hash_reward], args=args, train_dataset=data)
     if "layout" in ARMS[arm]:
-        trainer._layout = ARMS[arm]["layout"]
+        trainer._cost_aware.layout = ARMS[arm]["layout"]
     trainer.remove_callback(PrinterCallback)  # no dict per step on stdout (the tables are the output)
     profiler = PhaseProfiler(cuda)
     instrument(trainer, profiler)
@@ -348,7 +348,7 @@ def profile_arm(arm: str, model_path: str, opts, device: str, use_vllm: bool) ->
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
-    totals = dict(trainer._cost_aware_totals)
+    totals = dict(trainer._cost_aware.totals)
     out = profiler.summary(opts.warmup_steps)
     out.update(
         {

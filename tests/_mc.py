@@ -200,7 +200,7 @@ def settings_for(fz: Frozen, kept, method) -> PlanSettings:
     """The trainer's own PlanSettings (its layout's unit included), with the kept fraction and the weights of the
     cell."""
     trainer, args = fz.trainer, fz.trainer.args
-    unit = kept_multiple(trainer._layout, args.steps_per_generation, args.gradient_accumulation_steps)
+    unit = kept_multiple(trainer._cost_aware.layout, args.steps_per_generation, args.gradient_accumulation_steps)
     base = PlanSettings.from_args(args, trainer._zero_advantage_carries_gradient, unit)
     return replace(base, kept_fraction=kept, weight_normalization=method)
 
@@ -249,7 +249,7 @@ def check_linear(fz: Frozen, b: torch.Tensor, kept, method, draws: int) -> float
     worst = 0.0
     for _ in range(draws):
         t = pipeline_projection(fz)
-        plan = trainer._generation.plan
+        plan = trainer._cost_aware.generation.plan
         combo = plan.factors.double() * b[plan.indices]
         lin = float(combo.sum())
         scale = float(combo.abs().sum()) + 1e-12

@@ -152,3 +152,59 @@ def test_docs_state_what_the_code_does():
     assert "ESS, kept" not in (docs / "architecture.md").read_text()
     for name in ("budget_and_proxy.md", "trainer.md", "distributed.md"):
         assert "budget / E_p[c]" not in (docs / name).read_text(), name
+
+
+# ---------------------------------------------------------------------------------------------------- TRL surface
+OWN_STATE = "_cost_aware"  # the trainer's one attribute of its own (CostAwareState)
+
+
+def trl_surface(source: str) -> set[str]:
+    """What `CostAwareGRPOTrainer` relies on of TRL, read off its source: the names it defines that `GRPOTrainer`
+    already has (overrides, class attributes), every ``self.X`` it uses that it does not define (TRL's attributes),
+    and the names it imports from ``trl`` modules other than `GRPOTrainer` itself."""
+    from trl import GRPOTrainer
+
+    tree = ast.parse(source)
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "CostAwareGRPOTrainer")
+    defined = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    defined |= {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+    used = {
+        n.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "self"
+    }
+    imported = {
+        a.name
+        for n in tree.body
+        if isinstance(n, ast.ImportFrom) and (n.module or "").split(".")[0] == "trl"
+        for a in n.names
+        if a.name != "GRPOTrainer"
+    }
+    return {n for n in defined if hasattr(GRPOTrainer, n)} | (used - defined - {OWN_STATE}) | imported
+
+
+def documented_surface(text: str) -> list[str]:
+    """The first column of docs/architecture.md's table under "## The TRL surface"."""
+    section = text.split("## The TRL surface", 1)[1].split("\n## ", 1)[0]
+    return [line.split("`")[1] for line in section.splitlines() if line.startswith("| `")]
+
+
+def test_the_trl_surface_table_lists_what_the_trainer_relies_on():
+    docs = (PACKAGE.parent / "docs" / "architecture.md").read_text()
+    listed = documented_surface(docs)
+    assert len(listed) == len(set(listed)), "a name listed twice"
+    code = trl_surface((PACKAGE / "trainer.py").read_text())
+    assert sorted(set(listed) - code) == [], "listed but not used by trainer.py"
+    assert sorted(code - set(listed)) == [], "used by trainer.py but not listed"
+
+
+def test_the_surface_check_sees_a_new_override_and_a_new_attribute():
+    """Control: an override and a TRL attribute added to the source are found (and the trainer's own state is not)."""
+    source = (PACKAGE / "trainer.py").read_text()
+    before = trl_surface(source)
+    assert {"_prepare_inputs", "_buffered_inputs", "use_adapter"} <= before and OWN_STATE not in before
+    added = source.replace(
+        "    def log(self, logs",
+        "    def training_step(self, *a):\n        return self.temperature\n\n    def log(self, logs",
+    )
+    assert trl_surface(added) - before == {"training_step", "temperature"}

@@ -70,7 +70,6 @@ def _host(accelerator, mode="token_truncate"):
         accelerator=accelerator,
         vllm_importance_sampling_mode=mode,
         _metrics={"train": defaultdict(list)},
-        _cost_aware_totals=defaultdict(float),
         _loss_mask=lambda chunk: chunk["completion_mask"],
     )
     host._log_vllm_ratio = types.MethodType(CostAwareGRPOTrainer._log_vllm_ratio, host)
@@ -164,7 +163,7 @@ def _two_rank_log(rank0, rank1, local0, local1):
         _host(Capture())._log_vllm_ratio(chunks1, dict(local1), device)
         ranks = Ranks(lambda x: wire[0])
         host = _host(ranks)
-        host._log_vllm_ratio(mode.to_device([dict(c) for c in rank0]), dict(local0), device)
+        host.summed = host._log_vllm_ratio(mode.to_device([dict(c) for c in rank0]), dict(local0), device)
     assert len(ranks.sent) == 1 and ranks.sent[0].dtype == torch.int64
     return host
 
@@ -183,7 +182,7 @@ def test_vllm_ratio_log_sends_no_float64(empty_rank):
     host = _two_rank_log(rank0, rank1, {"policy_tokens_padded": 2.0**53}, {"policy_tokens_padded": 2.0})
     logged = [host._metrics["train"][k][-1] for k in VLLM_METRICS]
     assert logged == pytest.approx(_trl_values([rank0, rank1]), rel=1e-6)
-    assert host._cost_aware_totals["policy_tokens_padded"] == 2.0**53 + 2.0
+    assert host.summed == {"policy_tokens_padded": 2.0**53 + 2.0}
 
 
 def test_vllm_ratio_log_one_process_no_float64():
@@ -191,7 +190,6 @@ def test_vllm_ratio_log_one_process_no_float64():
     chunks = [_chunk([[-1.0, -1.5]], [[-1.25, -1.0]], [[1, 1]], [[0.9, 1.3]])]
     host = _host(type("One", (), {"process_index": 0, "num_processes": 1})())
     with NoFloat64Device() as mode:
-        host._log_vllm_ratio(mode.to_device([dict(c) for c in chunks]), {"policy_tokens": 7.0}, "cuda")
-    assert mode.transfers == 1
+        summed = host._log_vllm_ratio(mode.to_device([dict(c) for c in chunks]), {"policy_tokens": 7.0}, "cuda")
+    assert mode.transfers == 1 and summed == {"policy_tokens": 7.0}
     assert [host._metrics["train"][k][-1] for k in VLLM_METRICS] == pytest.approx(_trl_values([chunks]), rel=1e-6)
-    assert host._cost_aware_totals["policy_tokens"] == 7.0

@@ -13,6 +13,7 @@ import pytest
 from trl_costaware import CostAwareGRPOConfig
 
 DOCS_TABLE = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def make(tmp_path, **kwargs):
@@ -81,10 +82,12 @@ def test_at_most_eight_cost_aware_fields():
     assert "cost_aware" in fields and fields["cost_aware"] is True
 
 
-def test_docs_field_table_matches_the_dataclass():
-    """docs/trainer.md's table has one row ``| `cost_aware_xxx` | `default` | contract |`` per field, with the
-    dataclass's default, and no row for anything else."""
-    assert table_mismatches(DOCS_TABLE.read_text(), cost_aware_fields()) == []
+@pytest.mark.parametrize("table", [DOCS_TABLE, README], ids=["docs/trainer.md", "README.md"])
+def test_field_tables_match_the_dataclass(table):
+    """docs/trainer.md's and README's tables have one row ``| `cost_aware_xxx` | `default` | contract |`` per field,
+    with the dataclass's default, and no row for anything else (README's said `"advantage"` for the proxy after the
+    default became `"loss_aware"`)."""
+    assert table_mismatches(table.read_text(), cost_aware_fields()) == []
 
 
 def test_the_table_check_catches_each_kind_of_mismatch():

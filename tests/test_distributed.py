@@ -561,6 +561,24 @@ EMPTY_CASES = [f"{loss}:{beta}:rank1" for loss in LOSS_TYPES for beta in ("0.0",
 
 
 @pytest.mark.multiprocess
+def test_log_on_rank_zero_only_returns(tiny_model, tmp_path):
+    """A user's callback that calls `trainer.log` on rank 0 only (as each step begins, logging every 2 steps, so the
+    packed layout's metric window of step 1 is open at step 2) returns: the trainer's `log` runs no collective.
+    Before the fix its gather of the window's weights met the other rank's next collective (a collective mismatch or
+    a hang)."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1"]
+    cmd += ["--master_port", str(free_port()), str(WORKER), "--model", tiny_model, "--out", str(out), "--rank0-log"]
+    run(cmd + ["--logging-steps", "2"], tmp_path / "log.txt", timeout=180)
+    r0, r1 = load_result(out)["records"]
+    assert r0["layout"] == "packed"
+    assert [row["rank0_only"] for row in r0["log_history"] if "rank0_only" in row] == [0.0, 1.0]
+    assert not any("rank0_only" in row for row in r1["log_history"])
+    trained = [[row["cost_aware/policy_tokens"] for row in r["log_history"] if "loss" in row] for r in (r0, r1)]
+    assert trained[0] == trained[1] and len(trained[0]) == 1 and trained[0][0] > 0
+
+
+@pytest.mark.multiprocess
 def test_empty_batches_train_on(tiny_model, tmp_path):
     """A rank with no loss token (rank1: rank 1's completions all truncated under `mask_truncated_completions`, rank
     0's all ended) and a whole step without one (all), every loss type, β = 0 and β > 0, in one launch: no hang, no

@@ -142,7 +142,7 @@ def test_quickstart_runs_on_the_embedded_default(monkeypatch, tmp_path, warm_mod
     assert seen["args"] is None
     trainer = seen["trainer"]
     assert trainer.state.global_step == 2
-    assert trainer._cost_aware_totals["rows_generated"] > trainer._cost_aware_totals["rows_kept"] > 0
+    assert trainer._cost_aware.totals["rows_generated"] > trainer._cost_aware.totals["rows_kept"] > 0
 
 
 # ---------------------------------------------------------------------------------------------------- full script

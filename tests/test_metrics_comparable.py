@@ -65,6 +65,25 @@ def test_evaluate_and_train_return_grpo_trainers_keys(tmp_path, tiny_model_path,
         assert row["cost_aware/policy_tokens"] > 0 and row["cost_aware/rows_generated"] > 0
 
 
+def test_callbacks_keep_the_row_they_were_given(tmp_path, tiny_model_path):
+    """A callback that keeps the dict `on_log` hands it finds it as it was, counters included (before the fix the
+    trainer deleted the counters from that very dict once the callbacks had returned)."""
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Keep(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            seen.append((logs, dict(logs)))
+
+    trainer = make_trainer(tiny_model_path, tmp_path, dataset=tiny_dataset(16), max_steps=2)
+    trainer.add_callback(Keep())
+    trainer.train()
+    assert len(seen) == 3  # two steps and the end of training
+    for kept, at_the_time in seen:
+        assert kept == at_the_time and kept["cost_aware/policy_tokens"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cost_aware", [True, False])
 def test_eval_between_logging_steps_then_checkpoint(tmp_path, tiny_model_path, cost_aware):
@@ -164,7 +183,7 @@ def test_packed_layouts_metrics_are_means_over_the_steps_tokens(tmp_path, tiny_m
         args=_args(tmp_path / "b", CostAwareGRPOConfig, cost_aware_kept_fraction=1.0, **common),
         train_dataset=train,
     )
-    assert ours._layout == "packed"  # the trainer's own choice
+    assert ours._cost_aware.layout == "packed"  # the trainer's own choice
     ours.train()
     rows = [row for row in ours.state.log_history if "entropy" in row]
     assert len(rows) == common["max_steps"]
@@ -184,7 +203,7 @@ def test_packed_layouts_metrics_are_means_over_the_steps_tokens(tmp_path, tiny_m
 
 
 class _Window:
-    """The attributes `CostAwareGRPOTrainer._token_weighted_metrics` reads, on one process."""
+    """The attributes `CostAwareGRPOTrainer._token_weighted_metrics` reads (it runs no collective)."""
 
     _token_weighted_metrics = CostAwareGRPOTrainer._token_weighted_metrics
 
@@ -192,10 +211,7 @@ class _Window:
         self.args = SimpleNamespace(importance_sampling_level=level)
         self.accelerator = SimpleNamespace(device=torch.device("cpu"))
         self._metrics = {"train": defaultdict(list, metrics)}
-        self._packed_metric_weights = list(weights)
-
-    def _sum_over_ranks(self, values, device):
-        return dict(values)
+        self._cost_aware = SimpleNamespace(metric_weights=list(weights))  # already summed over ranks
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -219,7 +235,7 @@ def test_window_means_weigh_tokens_or_rows_as_trl_counts_them(level):
     assert metrics["clip_ratio/region_mean"] == [pytest.approx(0.25)]  # 10/40 by tokens, 1/4 by rows: equal here
     assert metrics["vespo/phi_seq_mean"] == [pytest.approx(1.5)]
     assert metrics["clip_ratio/high_max"] == [0.5, 1.0] and metrics["kl"] == [1.0]
-    assert window._packed_metric_weights == []
+    assert window._cost_aware.metric_weights == []
     by_rows = _Window(level, [(30.0, 1.0), (10.0, 3.0)], {"clip_ratio/region_mean": [0.0, 1.0]})
     by_rows._token_weighted_metrics()
     expected = 0.75 if level == "sequence" else 0.25

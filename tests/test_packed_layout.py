@@ -189,7 +189,7 @@ def test_a_router_aux_loss_runs_the_even_layout_and_the_plan_rounds_to_it(tmp_pa
     trainer = CostAwareGRPOTrainer(
         model, [length_reward], args=args, train_dataset=tiny_dataset(8), processing_class=tokenizer
     )
-    assert trainer.aux_loss_enabled and trainer._layout == "even"
+    assert trainer.aux_loss_enabled and trainer._cost_aware.layout == "even"
     trainer.train()
     assert logged(trainer, "cost_aware/kept_row_fraction") == [
         1.0
@@ -275,7 +275,7 @@ def test_packed_layout_has_the_even_layouts_gradient(tmp_path, tiny_model_path, 
         options["generation_kwargs"] = {"min_new_tokens": 8}
     _, even, even_shapes = _train(tmp_path, tiny_model_path, "even", layout="even", **options)
     trainer, packed, packed_shapes = _train(tmp_path, tiny_model_path, "packed", **options)
-    assert trainer._layout == "packed"  # the trainer's own choice
+    assert trainer._cost_aware.layout == "packed"  # the trainer's own choice
     _assert_same_gradients(even, packed)
     assert [s[0] for s in even_shapes] == [2] * len(even_shapes)  # m/S = 2 rows per micro-step
     assert [s[0] for s in packed_shapes] == [4] * (len(even_shapes) // 2)  # 4 rows, half the micro-steps
@@ -298,7 +298,7 @@ def test_no_op_micro_steps_that_run_the_model_add_no_gradient_and_no_metric(tmp_
         for key in keys:
             if key in a:
                 assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    padded = (skipped._cost_aware_totals["policy_tokens_padded"], ran._cost_aware_totals["policy_tokens_padded"])
+    padded = (skipped._cost_aware.totals["policy_tokens_padded"], ran._cost_aware.totals["policy_tokens_padded"])
     assert padded[1] == padded[0] + 2 * len(shapes_skipped)  # the no-ops' tokens are counted where they run
 
 
@@ -324,7 +324,7 @@ def test_where_no_ops_run_the_model_the_rows_spread_over_the_even_layouts_forwar
     real_pack = trainer_module.pack_buffer
     monkeypatch.setattr(trainer_module, "pack_buffer", lambda *a, **k: fills.append(k["fill"]) or real_pack(*a, **k))
     trainer, spread, spread_shapes = _train(tmp_path, tiny_model_path, "spread", **options)
-    assert trainer._layout == "packed" and fills and not any(fills)
+    assert trainer._cost_aware.layout == "packed" and fills and not any(fills)
     _assert_same_gradients(even, spread)
     assert len(spread_shapes) == len(even_shapes)  # no no-op: every position trains rows, as under the even layout
     assert sorted(s[0] for s in spread_shapes) == sorted(s[0] for s in even_shapes)
@@ -410,12 +410,12 @@ def test_one_row_per_micro_batch_drops_rows_and_its_update_compute_falls_with_th
     )
     even, _, even_shapes = _train(tmp_path, tiny_model_path, "even", layout="even", **options)
     packed, _, packed_shapes = _train(tmp_path, tiny_model_path, "packed", **options)  # the trainer's layout
-    assert packed._layout == "packed"
-    assert even._cost_aware_totals["rows_kept"] == 8 and len(even_shapes) == 8
-    assert packed._cost_aware_totals["rows_kept"] == 4 and len(packed_shapes) == 4
+    assert packed._cost_aware.layout == "packed"
+    assert even._cost_aware.totals["rows_kept"] == 8 and len(even_shapes) == 8
+    assert packed._cost_aware.totals["rows_kept"] == 4 and len(packed_shapes) == 4
     grad_tokens = sum(b * w for b, w in packed_shapes)
     assert (
-        grad_tokens == packed._cost_aware_totals["policy_tokens"] == packed._cost_aware_totals["policy_tokens_padded"]
+        grad_tokens == packed._cost_aware.totals["policy_tokens"] == packed._cost_aware.totals["policy_tokens_padded"]
     )
     assert grad_tokens < 0.6 * sum(b * w for b, w in even_shapes)
 

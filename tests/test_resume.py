@@ -75,15 +75,15 @@ def test_missing_state_file_of_another_rank_falls_back_to_rank_0s(tmp_path, tiny
     saved = torch.load(os.path.join(checkpoint, STATE_FILE.format(rank=0)), weights_only=True)
     assert saved["rank"] == 0 and saved["world_size"] == 1
     fresh = _trainer(tiny_model_path, tmp_path / "fresh", max_steps=2)
-    stream = fresh._sampler_generator.get_state()
+    stream = fresh._cost_aware.sampler.get_state()
     monkeypatch.setattr(type(fresh.accelerator), "process_index", property(lambda self: 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fresh._load_cost_aware_state(checkpoint)
     messages = [str(w.message) for w in caught if STATE_FILE.format(rank=1) in str(w.message)]
     assert len(messages) == 1 and STATE_FILE.format(rank=0) in messages[0]
-    assert fresh._cost_aware_totals == saved["totals"]
-    assert torch.equal(fresh._sampler_generator.get_state(), stream)
+    assert fresh._cost_aware.totals == saved["totals"]
+    assert torch.equal(fresh._cost_aware.sampler.get_state(), stream)
 
 
 def test_cost_aware_state_is_extensible(tmp_path, tiny_model_path):
@@ -120,7 +120,7 @@ def _record(trainer):
     original = trainer._draw_kept_rows
 
     def recorded(batch):
-        before = trainer._sampler_generator.get_state()
+        before = trainer._cost_aware.sampler.get_state()
         plan = original(batch)
         seen.append((before, plan.indices.clone(), plan.factors.clone()))
         return plan
@@ -163,3 +163,36 @@ def test_resume_inside_a_buffer_keeps_the_samplers_stream(tmp_path, tiny_model_p
             assert torch.equal(rows_a, rows_b)
             torch.testing.assert_close(factors_a, factors_b, rtol=0, atol=0)
         assert torch.equal(state_a, state_b)
+
+
+def test_resume_inside_a_buffer_ends_with_the_uninterrupted_runs_counters(tmp_path, tiny_model_path):
+    """checkpoint-3 lies inside the second generation batch, which TRL regenerates on resume: the saved totals leave
+    out that batch's generation counters (before the fix they held them, and the regenerated batch added them
+    again). Greedy rollouts at learning rate 0 reproduce the interrupted batches, and every row has the same tokens
+    (one prompt, completions held to the cap), so the micro-batches the resumed run trains (TRL restarts its step
+    count, training the regenerated batch from its first micro-step) hold the uninterrupted run's tokens: every
+    counter ends equal."""
+    from datasets import Dataset
+
+    dataset = Dataset.from_dict({"prompt": ["Add 12 and 34."] * 64})
+    overrides = dict(MID_BUFFER, learning_rate=0.0, top_k=1, dataset=dataset, generation_kwargs={"min_new_tokens": 8})
+    straight = _trainer(tiny_model_path, tmp_path / "a", (position_reward,), **overrides)
+    straight.train()
+    checkpoint = tmp_path / "a" / "out" / "checkpoint-3"
+    saved = torch.load(checkpoint / STATE_FILE.format(rank=0), weights_only=True)["totals"]
+    assert saved["rows_generated"] == _logged(straight, "rows_generated")[0]  # one batch: the second is left out
+    resumed = _trainer(tiny_model_path, tmp_path / "b", (position_reward,), **overrides)
+    resumed.train(resume_from_checkpoint=str(checkpoint))
+    assert resumed._cost_aware.totals == straight._cost_aware.totals
+    assert straight._cost_aware.totals["rows_generated"] == 3 * 16  # three generation batches of 16 rows
+
+
+def test_the_state_file_is_written_before_the_checkpoint_is_pushed(tmp_path, tiny_model_path):
+    """transformers pushes a checkpoint to the hub at the end of `_save_checkpoint`: this rank's state file must
+    already be in it (before the fix it was written after `_save_checkpoint` returned)."""
+    trainer = _trainer(tiny_model_path, tmp_path, max_steps=2)
+    trainer.args.push_to_hub = True  # after construction: no hub repository is created
+    pushed = []
+    trainer._push_from_checkpoint = lambda folder: pushed.append(os.listdir(folder))
+    trainer.train()
+    assert len(pushed) == 1 and STATE_FILE.format(rank=0) in pushed[0]

@@ -200,7 +200,7 @@ def test_wandb_run_gets_token_axis(wandb_run):
 def test_resolved_layout_is_recorded(wandb_run):
     """The layout the trainer chose (not a config field) is recorded as `cost_aware_layout` in the W&B config and in
     the local run record."""
-    layout = wandb_run.trainer._layout
+    layout = wandb_run.trainer._cost_aware.layout
     assert layout == "packed" and not hasattr(wandb_run.trainer.args, "cost_aware_layout")
     assert wandb_run.run["config"]["cost_aware_layout"] == layout
     info = json.loads((wandb_run.out / RUN_FILE).read_text())

@@ -26,6 +26,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from trl_costaware import CostAwareGRPOTrainer
 from trl_costaware.embedded.arithmetic import arithmetic_dataset, arithmetic_reward
+from trl_costaware.rows.batching import row_lengths
 from trl_costaware.rows.deferred import deferred_passes, scoring_window
 from trl_costaware.rows.plan import Plan
 from trl_costaware.trainer import STATE_FILE
@@ -394,7 +395,7 @@ def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, tin
         return out
 
     def loss(model, inputs):
-        if trainer._generation.micro_step(inputs).noop:
+        if trainer._cost_aware.generation.micro_step(trainer._step % 4).noop:
             return original_loss(model, inputs)
         pairs.append({"old": inputs["old_per_token_logps"], "ref": inputs["ref_per_token_logps"]})
         pairs[-1]["mask"] = inputs["completion_mask"].bool()
@@ -403,7 +404,7 @@ def test_deferred_old_logps_equal_policy_logps_at_first_micro_step(tmp_path, tin
     trainer._compute_loss, trainer._get_per_token_logps_and_entropies = loss, logps
     trainer.train()
     # two micro-steps before the first (and only) optimizer step; packed: the real ones among them (at least the last)
-    real = [not step.noop for step in trainer._generation.micro_steps[:2]]
+    real = [not step.noop for step in trainer._cost_aware.generation.micro_steps[:2]]
     assert real[-1] and len(pairs) == sum(real) and (layout == "packed" or len(pairs) == 2)
     for pair in pairs:
         assert torch.equal(pair["old"][pair["mask"]], pair["new"][pair["mask"]])
@@ -487,7 +488,10 @@ def test_processed_micro_batches_replace_trls_buffer(tmp_path, tiny_model_path, 
     trainer.model.train()
     raw = [dataset[i] for i in range(8)]
     first = trainer._prepare_inputs(raw)
-    assert trainer._buffered_inputs is trainer._generation.micro_batches and first is trainer._buffered_inputs[0]
+    assert (
+        trainer._buffered_inputs is trainer._cost_aware.generation.micro_batches
+        and first is trainer._buffered_inputs[0]
+    )
     trainer._step = 1
     assert trainer._prepare_inputs(raw) is trainer._buffered_inputs[1]
     assert "cost_aware_rows" not in first  # the host bookkeeping never reaches the loss
@@ -561,7 +565,7 @@ def test_resume_with_ignore_data_skip_restores_the_sampler(tmp_path, tiny_model_
     original = resumed._draw_kept_rows
 
     def draw(batch):
-        states.append((resumed._sampler_generator.get_state(), dict(resumed._cost_aware_totals)))
+        states.append((resumed._cost_aware.sampler.get_state(), dict(resumed._cost_aware.totals)))
         return original(batch)
 
     resumed._draw_kept_rows = draw
@@ -622,14 +626,14 @@ def test_placeholder_only_between_generation_and_rewards(tmp_path, tiny_model_pa
         with unittest.mock.patch.object(
             GRPOTrainer, "_calculate_rewards", lambda self, *a, **k: real.update(rewards=call())
         ):
-            assert torch.isfinite(call()).all() and trainer._deferring is None
-            with scoring_window(trainer):
+            assert torch.isfinite(call()).all() and trainer._cost_aware.deferring is None
+            with scoring_window(trainer._cost_aware):
                 assert torch.isfinite(call()).all()  # before generation
                 trainer._generate([])
                 assert torch.isnan(call()).all()  # TRL's passes
                 trainer._calculate_rewards([], [], [], [])
                 assert torch.isfinite(call()).all()  # after the rewards
-            assert trainer._deferring is None and torch.isfinite(call()).all()
+            assert trainer._cost_aware.deferring is None and torch.isfinite(call()).all()
     assert torch.isfinite(real["generate"]).all() and torch.isfinite(real["rewards"]).all()
 
 
@@ -698,9 +702,9 @@ class OwnDrawTrainer(CostAwareGRPOTrainer):
 
 @pytest.mark.parametrize("cls", [CostAwareGRPOTrainer, OwnDrawTrainer])
 def test_the_counters_gather_sends_the_same_keys_with_or_without_a_plan(tmp_path, tiny_model_path, dataset, cls):
-    """Per generation batch the layout's counters go through ONE gather; its keys must not depend on whether this
-    rank's draw came from the plan (a rank that sends an extra key would gather a tensor of another shape than its
-    peers). With the subclass's draw the trainer counts the kept tokens itself."""
+    """Per generation batch the layout's counts (per micro-step position) go through ONE gather; its keys must not
+    depend on whether this rank's draw came from the plan (a rank that sends an extra key would gather a tensor of
+    another shape than its peers). With the subclass's draw the trainer counts the kept tokens itself."""
     trainer = make_trainer(tiny_model_path, tmp_path, cls=cls, dataset=dataset, max_completion_length=8, max_steps=1)
     sent = []
     gather = trainer._sum_over_ranks
@@ -711,14 +715,64 @@ def test_the_counters_gather_sends_the_same_keys_with_or_without_a_plan(tmp_path
 
     trainer._sum_over_ranks = recording
     trainer.train()
-    layout_gathers = [keys for keys in sent if "policy_tokens_padded" in keys]
-    assert layout_gathers == [["policy_tokens", "policy_tokens_padded"]]
-    totals = trainer._cost_aware_totals
+    layout_gathers = [keys for keys in sent if "policy_tokens_padded/0" in keys]
+    positions = trainer.args.steps_per_generation
+    names = ("metric_rows", "metric_tokens", "policy_tokens", "policy_tokens_padded")
+    assert layout_gathers == [sorted(f"{name}/{p}" for name in names for p in range(positions))]
+    totals = trainer._cost_aware.totals
     assert 0 < totals["policy_tokens"] <= totals["policy_tokens_padded"]
     if cls is OwnDrawTrainer:  # counted by the trainer; the plan's other counters are the subclass's to keep
         assert totals["rows_kept"] == 0
     else:
         assert totals["policy_tokens"] < totals["rollout_tokens"]
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"layout": "even"}, {"cost_aware": False}, {"num_iterations": 2}],
+    ids=["packed", "even", "grpo", "mu2"],
+)
+def test_counters_equal_the_tokens_trained_up_to_each_logged_step(tmp_path, tiny_model_path, dataset, settings):
+    """steps_per_generation = 2 x gradient_accumulation_steps: each generation batch spans two optimizer steps. The
+    logged policy-token counters equal the tokens of the micro-batches trained up to each logged step (before the
+    fix a batch's tokens were added when it was drawn, so the axis ran a step ahead of training); the generation
+    counters are added when a batch is generated."""
+    settings = dict(settings)
+    layout = settings.pop("layout", None)
+    trainer = make_trainer(
+        tiny_model_path,
+        tmp_path,
+        dataset=dataset,
+        layout=layout,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        steps_per_generation=4,
+        max_steps=4,
+        max_completion_length=8,
+        **settings,
+    )
+    trained = {"policy_tokens": [0.0] * 5, "policy_tokens_padded": [0.0] * 5}
+    original = trainer._compute_loss
+
+    def loss(model, inputs):
+        if not trainer._cost_aware.generation.micro_step(trainer._step % 4).noop:  # a no-op skips the model here
+            step = trainer.state.global_step + 1
+            trained["policy_tokens"][step] += float(row_lengths(inputs).sum())
+            trained["policy_tokens_padded"][step] += inputs["prompt_ids"].numel() + inputs["completion_ids"].numel()
+        return original(model, inputs)
+
+    trainer._compute_loss = loss
+    trainer.train()
+    rows = [row for row in trainer.state.log_history if "loss" in row]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    for key, per_step in trained.items():
+        cumulative = [sum(per_step[: row["step"] + 1]) for row in rows]
+        assert [row[f"cost_aware/{key}"] for row in rows] == cumulative, key
+        assert 0 < cumulative[0] < cumulative[1], key
+    # the generation counters: a batch of 16 rows generated at steps 1 and 3 (every 2 x num_iterations steps)
+    iterations = settings.get("num_iterations", 1)
+    expected = [16, 16, 32, 32] if iterations == 1 else [16, 16, 16, 16]
+    assert [row["cost_aware/rows_generated"] for row in rows] == expected
 
 
 def test_model_card_cites_the_cost_aware_paper():

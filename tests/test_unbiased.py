@@ -332,7 +332,7 @@ def test_unbiased_matrix(warm_model_path, dataset, tmp_path, monkeypatch, loss_t
     informative = int((case.full["advantages"] != 0).sum())
     if options.get("reward") == "binary":  # the case has zero-signal rows to avoid, and informative ones
         assert 0 < informative < 14, informative
-    assert trainer._layout == options.get("layout", "packed")
+    assert trainer._cost_aware.layout == options.get("layout", "packed")
     r = run_case(case, CHEAP_DRAWS)
     assert _detects_5_percent(r), r
     assert not r.biased(TOLERANCE), r
@@ -480,7 +480,7 @@ def _without_kl_scale(monkeypatch, trainer):
     original = trainer._compute_loss
 
     def unscaled(model, inputs):
-        trainer._generation.plan = dataclasses.replace(trainer._generation.plan, kl_scale=None)
+        trainer._cost_aware.generation.plan = dataclasses.replace(trainer._cost_aware.generation.plan, kl_scale=None)
         return original(model, inputs)
 
     monkeypatch.setattr(trainer, "_compute_loss", unscaled)

@@ -258,7 +258,7 @@ def test_vllm_correction_misaligned_steps_ratio_exact(tmp_path, tiny_model_path,
     original_loss, original_logps = trainer._compute_loss, trainer._get_per_token_logps_and_entropies
 
     def loss(model, inputs):
-        if not trainer._generation.micro_step(inputs).noop:  # the packed layout's no-op micro-steps carry no kept row
+        if not trainer._cost_aware.generation.micro_step(trainer._step % 4).noop:  # no-ops carry no kept row
             pairs.append({"old": inputs["old_per_token_logps"], "mask": inputs["completion_mask"].bool()})
         return original_loss(model, inputs)
 
@@ -270,7 +270,7 @@ def test_vllm_correction_misaligned_steps_ratio_exact(tmp_path, tiny_model_path,
 
     trainer._compute_loss, trainer._get_per_token_logps_and_entropies = loss, logps
     trainer.train()
-    real = sum(not step.noop for step in trainer._generation.micro_steps[:2])  # the one optimizer step's
+    real = sum(not step.noop for step in trainer._cost_aware.generation.micro_steps[:2])  # the one optimizer step's
     assert len(pairs) == real >= 1
     for pair in pairs:
         assert torch.equal(pair["old"][pair["mask"]], pair["new"][pair["mask"]])

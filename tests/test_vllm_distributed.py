@@ -104,4 +104,4 @@ def test_vllm_ratio_log_of_a_rank_without_micro_batch_on_device(empty):
     expected = _trl_values([real, no_token] if empty == 1 else [no_token, real])
     assert logged == pytest.approx(expected, rel=1e-6)
     assert expected[2] == 0.0 and expected[3] > 0  # the empty rank counts 0, as TRL counts a rank without a token
-    assert host._cost_aware_totals["policy_tokens_padded"] == 2.0**53 + 3.0
+    assert host.summed == {"policy_tokens_padded": 2.0**53 + 3.0}

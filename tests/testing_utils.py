@@ -104,8 +104,10 @@ def force_layout(trainer, layout: str):
     (`rows.layout.layout_for`) and reads `_layout` only when it draws and lays out a generation batch, so setting it
     before training is the same as a config that chose it."""
     assert layout in ("even", "packed"), layout
-    assert trainer._layout in ("even", "packed"), trainer._layout  # the attribute the trainer reads
-    trainer._layout = layout
+    assert trainer._cost_aware.layout in ("even", "packed"), (
+        trainer._cost_aware.layout
+    )  # the attribute the trainer reads
+    trainer._cost_aware.layout = layout
     return trainer
 
 

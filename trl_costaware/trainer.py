@@ -9,21 +9,21 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoProcessor, ProcessorMixin
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from .config import CostAwareGRPOConfig, resolve_cost_fn
-from .rows.batching import noop_micro_batch, row_lengths, select_rows, trim_to_longest
+from .rows.batching import loss_mask, noop_micro_batch, row_lengths, select_rows
 from .rows.deferred import DEFERRED_KEYS, VLLM_METRICS, deferred_passes, placeholder_logps, ratio_stats, scoring_window
-from .rows.layout import kept_multiple, layout_for, micro_token_factor
-from .rows.packed import MicroStep, noop_skippable, pack_buffer, token_weighted_means
+from .rows.layout import kept_multiple, layout_for
+from .rows.packed import MicroStep, even_buffer, noop_skippable, pack_buffer, token_weighted_means
 from .rows.plan import (
     AcceleratorCollective,
     Plan,
@@ -48,25 +48,63 @@ MULTIMODAL_REFUSAL = (
 )
 
 
+# The cumulative counters, global (summed over ranks), identical on every rank, saved in checkpoints. Generation
+# counters are added when a generation batch is generated and drawn; trained counters when a micro-step trains.
+GENERATION_COUNTERS = (
+    "rollout_tokens",  # prompt + completion tokens of every generated rollout
+    "generated_tokens",  # completion tokens of every generated rollout
+    "rows_generated",
+    "rows_kept",  # rows drawn for the update
+)
+TRAINED_COUNTERS = (
+    "policy_tokens",  # real tokens of the micro-batches trained, each pass counted
+    "policy_tokens_padded",  # rows × width of those micro-batches (a no-op counted where it runs the model)
+)
+
+
 @dataclass
 class GenerationBatch:
-    """One generation batch from its draw to its last micro-step: the random streams before its draw (a checkpoint
-    inside it saves these, as TRL regenerates it on resume), its `plan` (None under `cost_aware=False`), its `kept`
-    rows until laid out, then its `micro_batches` (TRL's buffer) and what the loss needs of each (`micro_steps`)."""
+    """One generation batch from its draw to its last micro-step: the random streams before its draw and the
+    counters its generation and draw added (`generated`; a checkpoint inside it saves the streams and the totals
+    without these, as TRL regenerates it on resume), its `plan` (None under `cost_aware=False`), its `kept` rows until
+    laid out, then, per micro-step position, its `micro_batches` (TRL's buffer), what the loss needs of each
+    (`micro_steps`), the counters each adds when it trains (`trained`) and a packed micro-batch's metric weights
+    (loss tokens, rows) over all ranks (`metric_weights`)."""
 
     start_streams: dict
+    generated: dict[str, float] = field(default_factory=dict)
     plan: Plan | None = None
     kept: dict | None = None
     micro_batches: list[dict] | None = None
     micro_steps: list[MicroStep] | None = None
+    trained: list[dict[str, float]] | None = None
+    metric_weights: list[tuple[float, float]] | None = None
 
-    def micro_step(self, inputs: dict) -> MicroStep:
-        """The `MicroStep` of the micro-batch `inputs` (its `completion_ids` tensor, so a shallow copy of the batch
-        keeps it); a plain one for a batch not laid out here."""
-        for batch, step in zip(self.micro_batches or (), self.micro_steps or (), strict=True):
-            if batch["completion_ids"] is inputs.get("completion_ids"):
-                return step
-        return MicroStep()
+    def micro_step(self, position: int) -> MicroStep:
+        """The `MicroStep` at micro-step `position` (`_step % steps_per_generation`, TRL's index into its buffer); a
+        plain one for a batch not laid out here."""
+        return self.micro_steps[position] if self.micro_steps else MicroStep()
+
+
+@dataclass
+class CostAwareState:
+    """Everything the trainer keeps beyond `GRPOTrainer`'s attributes, in one attribute (`trainer._cost_aware`), so
+    that no attribute TRL adds can collide with it: the micro-batch `layout` ("packed" or "even"), the user's cost
+    callable (`cost_fn`, None for a built-in kind), the sampler's and grouping's random streams (independent, seeded
+    by seed, rank and name), the global cumulative counters (`totals`), the generation batch being trained on, the
+    deferred passes' flag (`rows.deferred.scoring_window`) and the packed micro-batches' metric weights since the
+    last train `log`."""
+
+    layout: str
+    cost_fn: Callable | None
+    sampler: torch.Generator
+    grouping: torch.Generator
+    totals: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(GENERATION_COUNTERS + TRAINED_COUNTERS, 0.0)
+    )
+    generation: GenerationBatch | None = None
+    deferring: bool | None = None
+    metric_weights: list[tuple[float, float]] = field(default_factory=list)
 
 
 def text_only_processing_class(model, processing_class, args):
@@ -92,14 +130,15 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     After TRL scores a generation batch, it draws m rows ∝ G_i/√c_i (smoothed; G_i the `cost_aware_proxy`), multiplies
     each kept row's advantage by its importance weight and hands the kept rows back to TRL, laid out in its own
-    micro-batches (`self._layout`, docs/layout.md); what crosses hooks for one generation batch is one
-    `GenerationBatch` (`self._generation`). Dropped rows cost nothing after generation: the old-policy and reference
-    passes run on kept rows only, per micro-batch trimmed to its longest row. The path of one batch:
-    docs/architecture.md. Hooks overridden: `_generate_and_score_completions` (draw, weights), `_generate` /
+    micro-batches (docs/layout.md); what crosses hooks for one generation batch is one `GenerationBatch`, and all
+    the trainer's own state is one `CostAwareState` (`self._cost_aware`). Dropped rows cost nothing after
+    generation: the old-policy and reference passes run on kept rows only, per micro-batch trimmed to its longest
+    row. The path of one batch: docs/architecture.md. Hooks overridden: `_generate_and_score_completions` (draw, weights), `_generate` /
     `_calculate_rewards` / `_get_per_token_logps_and_entropies` (the deferred passes, `deferred.scoring_window`),
-    `_prepare_inputs` (the layout, once per buffer), `_compute_loss` (no-op micro-steps, β), `log` (counters),
-    `_save_checkpoint` / `_load_optimizer_and_scheduler` (the sampler's streams, so a resumed run draws what the
-    uninterrupted one would).
+    `_prepare_inputs` (the layout, once per buffer; the trained counters, once per micro-step), `_compute_loss`
+    (no-op micro-steps, β), `log` (counters), `_save_rng_state` / `_load_optimizer_and_scheduler` (the sampler's
+    streams and the counters, so a resumed run draws and counts what the uninterrupted one would). Every TRL method
+    and attribute it relies on: docs/architecture.md.
 
     Args: those of `GRPOTrainer.__init__`, with the same defaults; `args` must be a [`CostAwareGRPOConfig`] (a plain
     `GRPOConfig` is rejected).
@@ -162,39 +201,28 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             rollout_func=rollout_func,
             environment_factory=environment_factory,
         )
+        rank = self.accelerator.process_index
+        # Independent streams (a hash of seed, rank and name): grouping never shifts which rows the sampler draws.
+        self._cost_aware = CostAwareState(
+            layout=layout_for(args, bool(self.aux_loss_enabled)) if args.cost_aware else "even",
+            cost_fn=resolve_cost_fn(args.cost_aware_cost),
+            sampler=stream_generator(args.seed, rank, "sampler"),
+            grouping=stream_generator(args.seed, rank, "grouping"),
+        )
         attach_tracking(self)  # local metrics record; W&B group and token x-axis (before TRL's WandbCallback)
         if args.cost_aware and isinstance(self.processing_class, ProcessorMixin):  # a model instance: TRL loaded it
             raise NotImplementedError(MULTIMODAL_REFUSAL)
-        self._cost_fn = resolve_cost_fn(args.cost_aware_cost)
-        seed = args.seed
-        rank = self.accelerator.process_index
-        # Independent streams (a hash of seed, rank and name): grouping never shifts which rows the sampler draws.
-        self._sampler_generator = stream_generator(seed, rank, "sampler")
-        self._grouping_generator = stream_generator(seed, rank, "grouping")
-        # Global (all ranks) cumulative counters, identical on every rank; saved in checkpoints.
-        self._cost_aware_totals = {
-            "rollout_tokens": 0.0,  # prompt + completion tokens of every generated rollout
-            "generated_tokens": 0.0,  # completion tokens of every generated rollout
-            "policy_tokens": 0.0,  # real tokens in policy-optimisation micro-batches, each pass counted
-            "policy_tokens_padded": 0.0,  # rows × width of those micro-batches
-            "rows_generated": 0.0,
-            "rows_kept": 0.0,
-        }
-        self._deferring = None  # TRL's log-prob passes are deferred while True (`deferred.scoring_window`)
-        self._generation: GenerationBatch | None = None  # the generation batch being trained on
-        self._layout = layout_for(args, bool(self.aux_loss_enabled)) if args.cost_aware else "even"
-        self._packed_metric_weights = []  # the packed micro-batches' metric weights since the last train log
 
     # ------------------------------------------------------------------ generation batch: sample the rows
     def _generate_and_score_completions(self, inputs):
         if not self.model.training:
             return super()._generate_and_score_completions(inputs)  # evaluation is untouched
-        self._generation = generation = GenerationBatch(self._stream_states())
+        self._cost_aware.generation = generation = GenerationBatch(self._stream_states())
         if not self.args.cost_aware:
             batch = super()._generate_and_score_completions(inputs)
             self._record_generation(batch)
             return batch
-        with scoring_window(self):
+        with scoring_window(self._cost_aware):
             batch = super()._generate_and_score_completions(inputs)
         for key in DEFERRED_KEYS:  # placeholders (and TRL's ratio formed from them): recomputed on the kept rows
             batch.pop(key, None)
@@ -212,23 +240,25 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     # The deferred passes (`deferred.scoring_window`): TRL's log-prob passes between generation and the rewards.
     def _generate(self, *args, **kwargs):
         out = super()._generate(*args, **kwargs)
-        if self._deferring is False:  # inside the window: TRL's passes come next
-            self._deferring = True
+        if self._cost_aware.deferring is False:  # inside the window: TRL's passes come next
+            self._cost_aware.deferring = True
         return out
 
     def _calculate_rewards(self, *args, **kwargs):
-        if self._deferring:
-            self._deferring = False
+        if self._cost_aware.deferring:
+            self._cost_aware.deferring = False
         return super()._calculate_rewards(*args, **kwargs)
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
-        if getattr(self, "_deferring", False):  # TRL's __init__ may call it before ours runs
+        state = getattr(self, "_cost_aware", None)  # TRL's __init__ may call it before ours runs
+        if state is not None and state.deferring:
             return placeholder_logps(input_ids, logits_to_keep)
         return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **k)
 
     def _row_costs(self, batch) -> torch.Tensor:
-        if self._cost_fn is not None:
-            costs = torch.as_tensor(self._cost_fn(batch["prompt_mask"], batch["completion_mask"])).float()
+        cost_fn = self._cost_aware.cost_fn
+        if cost_fn is not None:
+            costs = torch.as_tensor(cost_fn(batch["prompt_mask"], batch["completion_mask"])).float()
             if costs.shape != (len(batch["completion_mask"]),):
                 raise ValueError(f"cost_aware_cost callable must return one cost per row, got shape {costs.shape}")
             return costs.to(batch["completion_mask"].device)
@@ -293,125 +323,126 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         another row rule returning `Plan(indices, factors)`; the plan-only corrections then do not apply."""
         rows = self._host_row_stats(batch)
         args = self.args
-        unit = kept_multiple(self._layout, args.steps_per_generation, args.gradient_accumulation_steps)
+        unit = kept_multiple(self._cost_aware.layout, args.steps_per_generation, args.gradient_accumulation_steps)
         settings = PlanSettings.from_args(args, self._zero_advantage_carries_gradient, unit)
         collective = self._collective(batch["advantages"].device)
-        plan = plan_batch(rows, settings, self._sampler_generator, collective)
+        plan = plan_batch(rows, settings, self._cost_aware.sampler, collective)
         metrics = self._metrics["train"]
         for key, value in plan.metrics.items():
             metrics[f"cost_aware/{key}"].append(value)
         t = plan.totals
-        self._add_totals(t["rows"], t["kept"], t["rollout_tokens"], t["generated_tokens"])
-        self._cost_aware_totals["policy_tokens"] += self.num_iterations * t["policy_tokens"]
+        self._add_generated(t["rows"], t["kept"], t["rollout_tokens"], t["generated_tokens"])
         return plan
 
     @staticmethod
     def _loss_mask(batch):
-        mask = batch["completion_mask"]
-        return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+        return loss_mask(batch)
 
     def _sum_over_ranks(self, values: dict[str, float], device) -> dict[str, float]:
         """One gather of named scalars; returns their sums over ranks (identical on every rank). Single process: the
         values themselves (no device round trip)."""
         return self._collective(device).sum(values)
 
-    def _add_totals(self, rows: float, kept: float, rollout_tokens: float, generated_tokens: float):
-        totals = self._cost_aware_totals
-        totals["rows_generated"] += rows
-        totals["rows_kept"] += kept
-        totals["rollout_tokens"] += rollout_tokens
-        totals["generated_tokens"] += generated_tokens
+    def _add_generated(self, rows: float, kept: float, rollout_tokens: float, generated_tokens: float):
+        """Adds a generation batch's generation counters (all ranks) to the totals and to its `generated`."""
+        counts = dict(zip(GENERATION_COUNTERS, (rollout_tokens, generated_tokens, rows, kept), strict=True))
+        generation = self._cost_aware.generation
+        for key, value in counts.items():
+            self._cost_aware.totals[key] += value
+            if generation is not None:
+                generation.generated[key] = generation.generated.get(key, 0.0) + value
 
     def _record_generation(self, batch):
         """Counters for a generation batch that is trained on in full (cost_aware=False): one transfer."""
         generated = self._generated_lengths(batch)
         prompt = batch["prompt_mask"].sum(-1)
-        local = torch.stack(
-            [(prompt + generated).sum(), generated.sum(), (prompt + batch["completion_mask"].sum(-1)).sum()]
-        )
-        rollout, gen, policy = local.cpu().double().tolist()  # int64 sums: no float64 on the device
-        values = {"rows": len(prompt), "rollout_tokens": rollout, "generated_tokens": gen, "policy_tokens": policy}
+        local = torch.stack([(prompt + generated).sum(), generated.sum()])
+        rollout, gen = local.cpu().double().tolist()  # int64 sums: no float64 on the device
+        values = {"rows": len(prompt), "rollout_tokens": rollout, "generated_tokens": gen}
         total = self._sum_over_ranks(values, prompt.device)
-        self._add_totals(total["rows"], total["rows"], total["rollout_tokens"], total["generated_tokens"])
-        self._cost_aware_totals["policy_tokens"] += self.num_iterations * total["policy_tokens"]
+        self._add_generated(total["rows"], total["rows"], total["rollout_tokens"], total["generated_tokens"])
         self._metrics["train"]["cost_aware/kept_row_fraction"].append(1.0)
         self._metrics["train"]["cost_aware/kept_token_fraction"].append(1.0)
 
     # ------------------------------------------------------------------ micro-batches: trim, group, count
     def _prepare_inputs(self, generation_batch):
         inputs = super()._prepare_inputs(generation_batch)
-        buffer, generation = self._buffered_inputs, self._generation
-        if not self.model.training or buffer is None or generation is None or buffer is generation.micro_batches:
-            return inputs  # evaluation, or a micro-batch of a buffer already processed (TRL indexes our list)
-        # TRL has just generated and split a new generation batch: process all its micro-batches now, before any
-        # update, and hand TRL the processed list. TRL's own index into its buffer, checked:
-        position = self._step % self.args.steps_per_generation
-        if buffer[position] is not inputs:
-            raise RuntimeError(
-                "CostAwareGRPOTrainer: the micro-batch TRL returned is not its buffer's entry at _step % "
-                "steps_per_generation, so it cannot be matched to its processed (trimmed, weighted) micro-batch. This "
-                "TRL version indexes its buffer differently from the one this trainer supports."
-            )
-        self._process_new_buffer()
+        buffer, state = self._buffered_inputs, self._cost_aware
+        generation = state.generation
+        if not self.model.training or buffer is None or generation is None:
+            return inputs  # evaluation
+        position = self._step % self.args.steps_per_generation  # TRL's own index into its buffer
+        if buffer is not generation.micro_batches:
+            # TRL has just generated and split a new generation batch: process all its micro-batches now, before any
+            # update, and hand TRL the processed list. TRL's index, checked:
+            if buffer[position] is not inputs:
+                raise RuntimeError(
+                    "CostAwareGRPOTrainer: the micro-batch TRL returned is not its buffer's entry at _step % "
+                    "steps_per_generation, so it cannot be matched to its processed (trimmed, weighted) micro-batch. "
+                    "This TRL version indexes its buffer differently from the one this trainer supports."
+                )
+            self._process_new_buffer()
+        for key, value in generation.trained[position].items():  # this micro-step trains now
+            state.totals[key] += value
         return self._buffered_inputs[position]
 
     def _process_new_buffer(self):
         """The one place where a generation batch's rows become its micro-batches. Runs once per generation batch,
-        when TRL has just shuffled and split it (before any update): the layout (packed by `packed.pack_buffer` in
-        TRL's shuffled order, or TRL's even split itself), trimming, the loss type's per-micro-batch corrections and
-        the deferred passes; the result replaces TRL's buffer (one entry per micro-step position)."""
+        when TRL has just shuffled and split it (before any update): the layout (`packed.pack_buffer` in TRL's
+        shuffled order, or `packed.even_buffer` on TRL's even split), the deferred passes, and the counters each
+        micro-step adds when it trains; the result replaces TRL's buffer (one entry per micro-step position)."""
         chunks = list(self._buffered_inputs)
-        generation = self._generation
+        generation = self._cost_aware.generation
         plan, kept_batch, generation.kept = generation.plan, generation.kept, None
         plan = plan if plan is not None and plan.totals is not None else None  # None: a row rule of a subclass's own
         host = plan.kept_stats if plan is not None else None
-        steps = [MicroStep()] * len(chunks)
-        if self.args.cost_aware and kept_batch is not None and self._layout == "packed":
-            chunks, steps = map(list, zip(*self._packed_chunks(kept_batch, chunks, host, plan), strict=True))
+        if not self.args.cost_aware:
+            laid_out = [(c, MicroStep()) for c in chunks]
+        elif kept_batch is not None and self._cost_aware.layout == "packed":
+            laid_out = self._packed_chunks(kept_batch, chunks, host, plan)
+        else:
+            full = plan.micro_tokens_full if plan is not None else None
+            laid_out = even_buffer(chunks, host, pad_to_multiple_of=self.pad_to_multiple_of, micro_tokens_full=full)
+        chunks, steps = map(list, zip(*laid_out, strict=True))
+        if self.args.cost_aware:
             for c, step in zip(chunks, steps, strict=True):
                 if not step.noop:
                     self._compute_deferred_logps(c)
-        elif self.args.cost_aware:
-            positions = [c.get("cost_aware_rows") for c in chunks]
-            known = host is not None and all(p is not None for p in positions)
-            widths = [
-                (float(host["prompt_tokens"][p].max()), float(host["completion_tokens"][p].max())) if known else None
-                for p in positions
-            ]
-            chunks = [trim_to_longest(c, self.pad_to_multiple_of, w) for c, w in zip(chunks, widths, strict=True)]
-            if plan is not None and plan.micro_tokens_full is not None:
-                # bnpo: replace each micro-batch's own token count by the full batch's mean micro-batch count.
-                for c, p in zip(chunks, positions, strict=True):
-                    tokens = float(host["loss_tokens"][p].sum()) if known else self._loss_mask(c).sum()
-                    c["advantages"] = c["advantages"] * micro_token_factor(tokens, plan.micro_tokens_full)
-            for c in chunks:
-                c.pop("cost_aware_rows", None)
-                self._compute_deferred_logps(c)
-        real = [c for c, step in zip(chunks, steps, strict=True) if not step.noop]
         generation.micro_steps = steps
         # TRL-private write 1 of 4: TRL's `_prepare_inputs` indexes its `_buffered_inputs` by `_step` and has no hook
         # between its split and that index; the trainer's micro-batches (packed, trimmed) replace the buffer once
         # (test_trl_indexes_the_buffer_it_splits guards that code of TRL's).
         self._buffered_inputs = generation.micro_batches = chunks
-        passes = self.num_iterations  # each micro-batch is trained on once per iteration
-        # Tokens through the model with gradients on (shapes: no transfer); a no-op counts where it runs the model.
-        counted = real if noop_skippable(self.accelerator) else chunks
-        padded = sum(c["prompt_ids"].numel() + c["completion_ids"].numel() for c in counted)
-        local = {"policy_tokens_padded": passes * padded}
-        if self.args.cost_aware:
-            # The plan counted the kept tokens already; a subclass's own draw (no plan) is counted here. The key is
-            # sent on every rank alike, so the ranks' gathers keep one shape whatever each rank's draw was.
-            kept = 0.0
-            if plan is None and real:  # one device→host copy for all micro-batches
-                kept = float(torch.stack([row_lengths(c).sum() for c in real]).sum())
-            local["policy_tokens"] = passes * kept
-        vllm = self.args.cost_aware and self.use_vllm and self.vllm_importance_sampling_correction
+        local = self._micro_step_counts(chunks, steps)
         device = chunks[0]["completion_mask"].device
-        if vllm:
-            self._log_vllm_ratio(real, local, device)
+        if self.args.cost_aware and self.use_vllm and self.vllm_importance_sampling_correction:
+            real = [c for c, step in zip(chunks, steps, strict=True) if not step.noop]
+            summed = self._log_vllm_ratio(real, local, device)
         else:
-            for key, value in self._sum_over_ranks(local, device).items():
-                self._cost_aware_totals[key] += value
+            summed = self._sum_over_ranks(local, device)
+        positions = range(len(chunks))
+        generation.trained = [{k: summed[f"{k}/{p}"] for k in TRAINED_COUNTERS} for p in positions]
+        generation.metric_weights = [(summed[f"metric_tokens/{p}"], summed[f"metric_rows/{p}"]) for p in positions]
+
+    def _micro_step_counts(self, chunks, steps) -> dict[str, float]:
+        """This rank's counts per micro-step position p, named ``<name>/<p>`` (the same keys on every rank, so the
+        ranks' one gather has one shape): `TRAINED_COUNTERS` (real tokens from the layout's host statistics, else
+        one device→host copy for all micro-batches that lack them; padded tokens from shapes, a no-op counted where it
+        runs the model) and a packed micro-batch's metric weights (loss tokens, rows; 0 elsewhere)."""
+        skips = noop_skippable(self.accelerator)
+        unknown = [p for p, step in enumerate(steps) if not step.noop and step.policy_tokens is None]
+        measured = {}
+        if unknown:
+            sums = torch.stack([row_lengths(chunks[p]).sum() for p in unknown]).cpu().double().tolist()
+            measured = dict(zip(unknown, sums, strict=True))
+        local = {}
+        for p, (c, step) in enumerate(zip(chunks, steps, strict=True)):
+            tokens = 0.0 if step.noop else measured.get(p, step.policy_tokens)
+            padded = 0 if step.noop and skips else c["prompt_ids"].numel() + c["completion_ids"].numel()
+            weights = step.metric_weights or (0.0, 0.0)
+            local.update({f"policy_tokens/{p}": tokens, f"policy_tokens_padded/{p}": float(padded)})
+            local.update({f"metric_tokens/{p}": weights[0], f"metric_rows/{p}": weights[1]})
+        return local
 
     def _packed_chunks(self, kept_batch, chunks, host, plan) -> list[tuple[dict, MicroStep]]:
         """`packed.pack_buffer` on this buffer: rows are assigned to optimizer steps in TRL's shuffled order (the
@@ -422,7 +453,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         missing = sorted(set(range(m)) - set(seen))
         order = seen + missing
         if missing:
-            order = [order[i] for i in torch.randperm(m, generator=self._grouping_generator).tolist()]
+            order = [order[i] for i in torch.randperm(m, generator=self._cost_aware.grouping).tolist()]
         widths = None
         if host is not None:
             widths = (host["prompt_tokens"].tolist(), host["completion_tokens"].tolist())
@@ -489,10 +520,11 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                 clip_max=self.vllm_importance_sampling_clip_max,
             )
 
-    def _log_vllm_ratio(self, chunks, local, device):
+    def _log_vllm_ratio(self, chunks, local, device) -> dict[str, float]:
         """TRL's five vLLM metrics over the kept rows, reduced over ranks as TRL reduces them (`vllm_metrics`: means
         of per-rank means, extremes of per-rank extremes; their latest values, appended by TRL from the placeholder,
-        are replaced), with the buffer's counters: one gather (several processes) and one host copy.
+        are replaced), with the buffer's counts `local`: one gather (several processes) and one host copy. Returns
+        the counts summed over ranks.
 
         Nothing float64 reaches the device: the statistics are float32 there (TRL's own precision for these metrics)
         and travel as their bit pattern, the float64 host counters as theirs (`plan.float64_bits`), both in one int64
@@ -514,8 +546,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                 metrics[key][-1] = value
             else:
                 metrics[key].append(value)
-        for key, value in zip(local, to_float64(wire[:, 7:]).sum(0).tolist(), strict=True):
-            self._cost_aware_totals[key] += value
+        return dict(zip(local, to_float64(wire[:, 7:]).sum(0).tolist(), strict=True))
 
     def _compute_loss(self, model, inputs):
         """A no-op micro-step (packed layout) adds no gradient and no metric: a zero loss without the model where it
@@ -526,10 +557,11 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         normaliser it would shrink with the kept tokens; T_full / T_kept restores it) times `MicroStep.beta_scale`
         (a packed micro-batch's share of its optimizer step's rows or tokens). β stays > 0 when it was, so TRL's
         `beta != 0` branches (and their collectives) run on every rank alike."""
-        generation = self._generation
+        generation = self._cost_aware.generation
         if not self.model.training or generation is None:
             return super()._compute_loss(model, inputs)
-        step = generation.micro_step(inputs)
+        position = self._step % self.args.steps_per_generation  # as in `_prepare_inputs` (advanced after the step)
+        step = generation.micro_step(position)
         if step.noop:
             if noop_skippable(self.accelerator) and (
                 self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients
@@ -540,7 +572,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             logps = self._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
             return logps.sum() * 0.0
         if step.metric_weights is not None:
-            self._packed_metric_weights.append(step.metric_weights)
+            self._cost_aware.metric_weights.append(generation.metric_weights[position])
         kl_scale = generation.plan.kl_scale if generation.plan is not None else None
         scale = (kl_scale or 1.0) * step.beta_scale
         if scale == 1.0 or self.beta == 0.0:
@@ -556,15 +588,13 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     def _token_weighted_metrics(self):
         """At a train `log`, under the packed layout: TRL's per-micro-batch metric means of the window replaced by
-        their means over the window's tokens or rows, summed over ranks (`packed.token_weighted_means`; one gather of
-        the window's counts, every rank logs the same window)."""
-        weights, self._packed_metric_weights = self._packed_metric_weights, []
+        their means over the window's tokens or rows, summed over ranks (`packed.token_weighted_means`; the counts
+        were summed over ranks when the buffer was laid out, so `log` runs no collective)."""
+        state = self._cost_aware
+        weights, state.metric_weights = state.metric_weights, []
         if not weights:
             return
-        local = {f"{kind}{k}": w[i] for k, w in enumerate(weights) for i, kind in enumerate(("t", "r"))}
-        summed = self._sum_over_ranks(local, self.accelerator.device)
-        tokens = [summed[f"t{k}"] for k in range(len(weights))]
-        rows = [summed[f"r{k}"] for k in range(len(weights))]
+        tokens, rows = [w[0] for w in weights], [w[1] for w in weights]
         per_row = self.args.importance_sampling_level == "sequence"
         # TRL-private write 4 of 4: TRL averages its per-micro-batch metric means unweighted at `log`; packed
         # micro-batches are unequal, so the window's entries are replaced by their token-weighted mean first.
@@ -572,25 +602,26 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """TRL's `log` of a row that also carries the cumulative counters (on train and eval rows alike: eval curves
+        against policy tokens). No collective, so a `log` called on one rank only returns. The callbacks and
+        `log_history` get a row of their own, never changed afterwards; the caller's dict ends as `GRPOTrainer`
+        leaves it (TRL's metrics added, what the callbacks removed removed), without any `cost_aware/` key it did not
+        hold (counters, or the batch metrics of a window still open when training ends): `evaluate()` and `train()`
+        return it, and a hyperparameter search sums every metric in it."""
         if self.model.training:
             self._token_weighted_metrics()  # packed micro-batches: means over the window's tokens (packed.py)
-        # The cumulative counters go on train and eval rows alike (eval curves against policy tokens), on the logged
-        # row only: the caller's dict (which `evaluate()` and `train()` return) gets back exactly what it had once
-        # `log_history` and the callbacks have read the row.
-        given = set(logs)
-        counters = {f"cost_aware/{k}": v for k, v in self._cost_aware_totals.items()}
-        logs.update({k: v for k, v in counters.items() if k not in given})
-        try:
-            super().log(logs, start_time)
-        finally:
-            for key in [k for k in logs if k.startswith("cost_aware/") and k not in given]:
-                del logs[key]
+        counters = {f"cost_aware/{k}": v for k, v in self._cost_aware.totals.items()}
+        row = {**logs, **{k: v for k, v in counters.items() if k not in logs}}
+        super().log(row, start_time)
+        for key in [k for k in logs if k not in row]:
+            del logs[key]
+        logs.update({k: v for k, v in row.items() if k in logs or not k.startswith("cost_aware/")})
 
     # ------------------------------------------------------------------ checkpoints
     def _stream_states(self) -> dict:
         return {
-            "generator": self._sampler_generator.get_state(),
-            "grouping_generator": self._grouping_generator.get_state(),
+            "generator": self._cost_aware.sampler.get_state(),
+            "grouping_generator": self._cost_aware.grouping.get_state(),
         }
 
     def _cost_aware_state(self) -> dict:
@@ -599,13 +630,19 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         state = {}
         # Inside a buffer TRL regenerates it on resume (its buffer is not saved): the streams as they were before
         # that buffer's draw, so the regenerated draw uses the interrupted draw's stream and the rest of the run
-        # continues the uninterrupted run's stream.
+        # continues the uninterrupted run's stream; and the totals without that buffer's generation counters, which
+        # the regenerated buffer adds again (its micro-steps trained so far stay counted: they were trained).
         inside_buffer = self._step % (self.args.steps_per_generation * self.num_iterations) != 0
-        generation = self._generation
-        streams = generation.start_streams if inside_buffer and generation is not None else self._stream_states()
-        state.update(streams)
+        generation = self._cost_aware.generation
+        totals = dict(self._cost_aware.totals)
+        if inside_buffer and generation is not None:
+            state.update(generation.start_streams)
+            for key, value in generation.generated.items():
+                totals[key] -= value
+        else:
+            state.update(self._stream_states())
         state.update(
-            totals=dict(self._cost_aware_totals),
+            totals=totals,
             rank=self.accelerator.process_index,
             world_size=self.accelerator.num_processes,
         )
@@ -616,19 +653,19 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         change): the global counters are restored from it, this rank's random streams are not."""
         if state.get("rank", self.accelerator.process_index) == self.accelerator.process_index:
             if "generator" in state:
-                self._sampler_generator.set_state(state["generator"])
+                self._cost_aware.sampler.set_state(state["generator"])
             if "grouping_generator" in state:
-                self._grouping_generator.set_state(state["grouping_generator"])
+                self._cost_aware.grouping.set_state(state["grouping_generator"])
         if "totals" in state:
-            self._cost_aware_totals.update(state["totals"])
+            self._cost_aware.totals.update(state["totals"])
 
-    def _save_checkpoint(self, model, trial):
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        os.makedirs(folder, exist_ok=True)
-        torch.save(
-            self._cost_aware_state(), os.path.join(folder, STATE_FILE.format(rank=self.accelerator.process_index))
-        )
+    def _save_rng_state(self, output_dir):
+        """Beside transformers' per-rank RNG state, inside `_save_checkpoint` and before it pushes the checkpoint to
+        the hub: this rank's `STATE_FILE` (not written with `save_only_model`, which saves no RNG state either)."""
+        super()._save_rng_state(output_dir)
+        os.makedirs(output_dir, exist_ok=True)
+        path = os.path.join(output_dir, STATE_FILE.format(rank=self.accelerator.process_index))
+        torch.save(self._cost_aware_state(), path)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)  # once per resume, DeepSpeed included
@@ -654,7 +691,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         else:
             restored = self._totals_from_log_history(checkpoint)
             if restored:
-                self._cost_aware_totals.update(restored)
+                self._cost_aware.totals.update(restored)
                 how = "restored the cost_aware/* counters from the last values logged in its trainer_state.json"
             else:
                 how = "found no logged cost_aware/* counters either: the counters restart at 0"
@@ -675,7 +712,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             return {}
         found = {}
         for row in history:
-            for key in self._cost_aware_totals:
+            for key in self._cost_aware.totals:
                 value = row.get(f"cost_aware/{key}")
                 if isinstance(value, int | float):
                     found[key] = max(float(value), found.get(key, 0.0))

@@ -101,9 +101,9 @@ def test_zero_advantage_filter_is_exactly_grpo(tmp_path, tiny_model_path, layout
     grpo.train()
     filt = _trainer(ZeroAdvantageFilterTrainer, tmp_path, "filter", tiny_model_path, cost_aware=True, **sgd)
     filt.train()
-    kept = filt._cost_aware_totals["rows_kept"] / filt._cost_aware_totals["rows_generated"]
+    kept = filt._cost_aware.totals["rows_kept"] / filt._cost_aware.totals["rows_generated"]
     assert 0 < kept < 1  # some groups had equal rewards and were dropped
-    assert filt._cost_aware_totals["policy_tokens"] < grpo._cost_aware_totals["policy_tokens"]
+    assert filt._cost_aware.totals["policy_tokens"] < grpo._cost_aware.totals["policy_tokens"]
     a, b = grpo.model.state_dict(), filt.model.state_dict()
     step_a = {k: a[k] - start[k] for k in a}
     scale = max(float(v.abs().max()) for v in step_a.values())
@@ -125,7 +125,7 @@ def test_max_variance_trainer_keeps_half_of_each_group(tmp_path, tiny_model_path
         **LAYOUTS[layout],
     )
     trainer.train()
-    totals = trainer._cost_aware_totals
+    totals = trainer._cost_aware.totals
     assert totals["rows_generated"] == 32 and totals["rows_kept"] == 16
     logs = [h for h in trainer.state.log_history if "cost_aware/kept_row_fraction" in h]
     assert logs and logs[0]["cost_aware/kept_row_fraction"] == 0.5

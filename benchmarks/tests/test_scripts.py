@@ -36,6 +36,27 @@ def test_every_script_has_a_smoke_test():
     assert not untested, f"benchmark scripts without a smoke test: {untested}"
 
 
+def test_no_import_circle_between_the_scripts():
+    """A script imports its helper modules, never the other way round (the learning benchmark and its analysis
+    imported each other)."""
+    import ast
+
+    from test_architecture import cycles
+
+    names = {p.stem for p in BENCH.glob("*.py")}
+    graph = {}
+    for path in BENCH.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in names:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names if a.name in names)
+        graph[path.stem] = imported - {path.stem}
+    assert graph["real_model_learning"] >= {"real_model_learning_analysis"}  # the graph sees these imports
+    assert cycles(graph) == []
+
+
 def test_cost_aware_sgd_smoke(tmp_path):
     import cost_aware_sgd
 

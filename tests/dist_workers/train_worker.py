@@ -70,6 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layout", choices=["packed", "even"], default=None, help="force a layout (else the trainer's)")
     p.add_argument("--optim", default="adamw_torch", help="sgd: the weights move by the gradient itself")
+    p.add_argument("--rank0-log", action="store_true", help="a callback calls trainer.log on rank 0 only, every step")
+    p.add_argument("--logging-steps", type=int, default=1)
     return p.parse_args(argv)
 
 
@@ -127,7 +129,7 @@ def main(argv=None) -> int:
         fp16=False,
         use_cpu=not torch.cuda.is_available(),
         deepspeed=args.deepspeed,
-        logging_steps=1,
+        logging_steps=args.logging_steps,
         report_to="none",
         save_strategy="no",
         disable_tqdm=True,
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
         peft_config=peft_config,
     )
     if args.layout is not None:  # the trainer reads `_layout` when it draws and lays out a generation batch
-        trainer._layout = args.layout
+        trainer._cost_aware.layout = args.layout
 
     # Record what the sampler normalised (the weights of all ranks' slots, fillers 0) and what this rank applied.
     record = {
@@ -190,19 +192,30 @@ def main(argv=None) -> int:
 
     trainer_module.plan_batch = plan_and_record  # the trainer calls plan_batch through its module global
     trainer._draw_kept_rows = draw_and_record
+    if args.rank0_log:
+        from transformers import TrainerCallback
+
+        # A user's callback that logs from the main process only, as a step begins (at its end transformers' own
+        # flow would break: `log` clears `control.should_log` on that rank only, so only the other rank would log).
+        class RankZeroLog(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if state.is_world_process_zero:
+                    trainer.log({"rank0_only": float(state.global_step)})
+
+        trainer.add_callback(RankZeroLog())
 
     trainer.train()
 
     rank = trainer.accelerator.process_index
     state = full_state_dict(trainer)
     torch.save(state, os.path.join(args.out, f"rank{rank}.pt"))
-    real_micro_batches = sum(not step.noop for step in trainer._generation.micro_steps or [])
+    real_micro_batches = sum(not step.noop for step in trainer._cost_aware.generation.micro_steps or [])
     summary = {
         "rank": rank,
         "world_size": trainer.accelerator.num_processes,
         "distributed_type": str(trainer.accelerator.distributed_type),
         "zero_stage": _zero_stage(trainer),
-        "layout": trainer._layout,
+        "layout": trainer._cost_aware.layout,
         "micro_batches": real_micro_batches,  # of the last generation batch
         "ds_stage_requested": ds_stage,
         "lora": args.lora,

@@ -148,10 +148,10 @@ def main(argv=None) -> int:
         trainer._buffered_inputs, trainer._step = None, 0
         trainer._prepare_inputs(next(batches))
         chunks = trainer._buffered_inputs
-        real = [c for c, step in zip(chunks, trainer._generation.micro_steps, strict=True) if not step.noop]
+        real = [c for c, step in zip(chunks, trainer._cost_aware.generation.micro_steps, strict=True) if not step.noop]
         results.setdefault(mode, {})[case] = {
             "metrics": {key: list(trainer._metrics["train"][key]) for key in VLLM_METRICS},
-            "totals": dict(trainer._cost_aware_totals),
+            "totals": dict(trainer._cost_aware.totals),
             "stats": rank_statistics(real, mode.startswith("sequence")),
             "positions": len(chunks),
         }

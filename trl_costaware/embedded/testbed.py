@@ -146,7 +146,7 @@ def _callbacks():
         def measure(self, step: int) -> None:
             t = time.perf_counter()
             acc = heldout_accuracy(self.trainer.model, self.trainer.processing_class, self.n, testbed=self.testbed)
-            totals = self.trainer._cost_aware_totals
+            totals = self.trainer._cost_aware.totals
             point = {
                 "step": step,
                 "policy_tokens": totals["policy_tokens"],
@@ -264,7 +264,7 @@ def train_run(
         "heldout_acc_end": held.curve[-1]["heldout_acc"],
         "greedy_acc_start": held.greedy["start"],
         "greedy_acc_end": held.greedy["end"],
-        "totals": dict(trainer._cost_aware_totals),
+        "totals": dict(trainer._cost_aware.totals),
         "phase_s": dict(trainer.phase_s),
         "batch_metrics": _batch_metric_means(output_dir),
         "train_wall_s": held.train_s,

@@ -96,6 +96,12 @@ def row_lengths(batch: dict) -> torch.Tensor:
     return batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)
 
 
+def loss_mask(batch: dict) -> torch.Tensor:
+    """The completion tokens the loss counts: the completion mask, times the tool mask when there is one."""
+    mask = batch["completion_mask"]
+    return mask * batch["tool_mask"] if batch.get("tool_mask") is not None else mask
+
+
 def noop_micro_batch(batch: dict) -> dict:
     """A micro-batch that trains on nothing: one row of one prompt token (row 0's last, attended) and one completion
     token (row 0's first) with completion mask 0 (tool mask 0), advantage 0; `SCALAR_KEYS` pass through. Every loss

@@ -23,16 +23,17 @@ VLLM_METRICS = (
 
 
 @contextmanager
-def scoring_window(trainer):
-    """Around TRL's `_generate_and_score_completions`: `trainer._deferring` (None outside, False inside) is set by
-    the trainer's `_generate` once generation has returned and cleared by its `_calculate_rewards` before any reward
-    function runs: only TRL's log-prob passes between the two get `placeholder_logps`. Should TRL stop calling
-    `_generate` there, the passes run (correct, not deferred) and test_dropped_rows_never_reach_a_forward fails."""
-    trainer._deferring = False
+def scoring_window(state):
+    """Around TRL's `_generate_and_score_completions`: `state.deferring` (the trainer's `CostAwareState`; None outside,
+    False inside) is set by the trainer's `_generate` once generation has returned and cleared by its
+    `_calculate_rewards` before any reward function runs: only TRL's log-prob passes between the two get
+    `placeholder_logps`. Should TRL stop calling `_generate` there, the passes run (correct, not deferred) and
+    test_dropped_rows_never_reach_a_forward fails."""
+    state.deferring = False
     try:
         yield
     finally:
-        trainer._deferring = None
+        state.deferring = None
 
 
 def placeholder_logps(input_ids: torch.Tensor, logits_to_keep: int):

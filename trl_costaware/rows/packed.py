@@ -1,8 +1,9 @@
-"""The packed micro-batch layout of one generation batch, as plain functions with explicit inputs (docs/layout.md).
+"""The micro-batches of one generation batch, in either layout, as plain functions with explicit inputs
+(docs/layout.md).
 
 `layout.packed_micro_steps` says which kept rows each micro-step position trains on; `pack_buffer` builds those
 micro-batches (trimmed, with the loss type's correction, each with its `MicroStep`) and places the no-op micro-steps;
-`token_weighted_means`
+`even_buffer` trims and corrects TRL's own even split instead; `token_weighted_means`
 turns TRL's per-micro-batch metric means into means over the window's tokens. The trainer calls them and runs the
 loss of each micro-step (a no-op adds no gradient and no metric, and skips the model where that is safe:
 `noop_skippable`).
@@ -14,20 +15,22 @@ from dataclasses import dataclass
 
 import torch
 
-from .batching import select_rows, trim_to_longest
+from .batching import loss_mask, select_rows, trim_to_longest
 from .layout import micro_token_factor, optimizer_segments, packed_micro_steps, row_mean_scale, token_mean_scale
 from .plan import check_loss_type
 
 
 @dataclass(frozen=True)
 class MicroStep:
-    """What the trainer's loss needs of one micro-step beyond TRL's batch: `noop` (it trains nothing), its β
-    multiplier (`layout.row_mean_scale`, `layout.token_mean_scale`; 1 outside the packed layout) and this rank's
-    (loss tokens, rows) of a packed micro-batch, the weights of its metrics (`token_weighted_means`; else None)."""
+    """What the trainer needs of one micro-step beyond TRL's batch: `noop` (it trains nothing), its β multiplier
+    (`layout.row_mean_scale`, `layout.token_mean_scale`; 1 outside the packed layout), this rank's (loss tokens, rows)
+    of a packed micro-batch, the weights of its metrics (`token_weighted_means`; else None), and its real (prompt +
+    completion) tokens when the layout knows them on the host (`policy_tokens`; else None)."""
 
     noop: bool = False
     beta_scale: float = 1.0
     metric_weights: tuple[float, float] | None = None
+    policy_tokens: float | None = None
 
 
 NOOP = MicroStep(noop=True)
@@ -105,7 +108,44 @@ def pack_buffer(
             beta_scale = token_mean_scale(tokens, run_tokens[position // g], g)
             if micro_tokens_full is not None:
                 chunk["advantages"] = chunk["advantages"] * micro_token_factor(tokens, micro_tokens_full)
-        out.append((chunk, MicroStep(beta_scale=beta_scale, metric_weights=(tokens, float(len(rows))))))
+        step = MicroStep(
+            beta_scale=beta_scale,
+            metric_weights=(tokens, float(len(rows))),
+            policy_tokens=float(sum(lengths[i] for i in rows)),
+        )
+        out.append((chunk, step))
+    return out
+
+
+def even_buffer(
+    chunks: list[dict],
+    host: dict | None,
+    *,
+    pad_to_multiple_of: int | None = None,
+    micro_tokens_full: float | None = None,
+) -> list[tuple[dict, MicroStep]]:
+    """The even layout of one generation batch: TRL's own split `chunks` (each holding its rows' kept positions,
+    ``cost_aware_rows``), each micro-batch trimmed to its longest row, with bnpo's factor T_k / T̄_full on its
+    advantages (`layout.micro_token_factor`: the micro-batch's loss tokens T_k over the full batch's mean per
+    micro-batch `micro_tokens_full`, when given). `host` holds the kept rows' statistics (``prompt_tokens``,
+    ``completion_tokens``, ``loss_tokens``, by kept position), so widths, token counts and each `MicroStep`'s
+    `policy_tokens` come without reading the device; without it (a subclass's own draw) they are read from the masks.
+    """
+    positions = [c.get("cost_aware_rows") for c in chunks]
+    known = host is not None and all(p is not None for p in positions)
+    out = []
+    for chunk, rows in zip(chunks, positions, strict=True):
+        width = tokens = None
+        if known:
+            prompt, completion = host["prompt_tokens"][rows], host["completion_tokens"][rows]
+            width = (float(prompt.max()), float(completion.max())) if len(rows) else (0.0, 0.0)
+            tokens = float(prompt.sum() + completion.sum())
+        chunk = trim_to_longest(chunk, pad_to_multiple_of, width)
+        if micro_tokens_full is not None:
+            loss_tokens = float(host["loss_tokens"][rows].sum()) if known else loss_mask(chunk).sum()
+            chunk["advantages"] = chunk["advantages"] * micro_token_factor(loss_tokens, micro_tokens_full)
+        chunk.pop("cost_aware_rows", None)
+        out.append((chunk, MicroStep(policy_tokens=tokens)))
     return out
 
 

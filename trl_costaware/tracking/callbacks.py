@@ -102,9 +102,10 @@ def _jsonable(value):
 
 def resolved_config(trainer) -> dict[str, Any]:
     """What the trainer resolved at construction, recorded beside the user's fields: ``cost_aware_layout``, the
-    layout that runs (``trainer._layout``, "packed" or "even"). Empty for a trainer without one (plain GRPOTrainer)."""
-    layout = getattr(trainer, "_layout", None)
-    return {} if layout is None else {"cost_aware_layout": layout}
+    layout that runs (``trainer._cost_aware.layout``, "packed" or "even"). Empty for a trainer without one (plain
+    GRPOTrainer)."""
+    state = getattr(trainer, "_cost_aware", None)
+    return {} if state is None else {"cost_aware_layout": state.layout}
 
 
 def run_info(args, model=None) -> dict[str, Any]:
