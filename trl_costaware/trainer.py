@@ -130,15 +130,15 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
     After TRL scores a generation batch, it draws m rows ∝ G_i/√c_i (smoothed; G_i the `cost_aware_proxy`), multiplies
     each kept row's advantage by its importance weight and hands the kept rows back to TRL, laid out in its own
-    micro-batches (docs/layout.md); what crosses hooks for one generation batch is one `GenerationBatch`, and all
-    the trainer's own state is one `CostAwareState` (`self._cost_aware`). Dropped rows cost nothing after
-    generation: the old-policy and reference passes run on kept rows only, per micro-batch trimmed to its longest
-    row. The path of one batch: docs/architecture.md. Hooks overridden: `_generate_and_score_completions` (draw, weights), `_generate` /
+    micro-batches (docs/layout.md); what crosses hooks for one generation batch is one `GenerationBatch`, and all the
+    trainer's own state is one `CostAwareState` (`self._cost_aware`). Dropped rows cost nothing after generation: the
+    old-policy and reference passes run on kept rows only, per micro-batch trimmed to its longest row. The path of one
+    batch: docs/architecture.md. Hooks overridden: `_generate_and_score_completions` (draw, weights), `_generate` /
     `_calculate_rewards` / `_get_per_token_logps_and_entropies` (the deferred passes, `deferred.scoring_window`),
-    `_prepare_inputs` (the layout, once per buffer; the trained counters, once per micro-step), `_compute_loss`
-    (no-op micro-steps, β), `log` (counters), `_save_rng_state` / `_load_optimizer_and_scheduler` (the sampler's
-    streams and the counters, so a resumed run draws and counts what the uninterrupted one would). Every TRL method
-    and attribute it relies on: docs/architecture.md.
+    `_prepare_inputs` (the layout, once per buffer; the trained counters, once per micro-step), `_compute_loss` (no-op
+    micro-steps, β), `log` (counters), `_save_rng_state` / `_load_optimizer_and_scheduler` (the sampler's streams and
+    the counters, so a resumed run draws and counts what the uninterrupted one would). Every TRL method and attribute
+    it relies on: docs/architecture.md.
 
     Args: those of `GRPOTrainer.__init__`, with the same defaults; `args` must be a [`CostAwareGRPOConfig`] (a plain
     `GRPOConfig` is rejected).
