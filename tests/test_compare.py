@@ -503,6 +503,55 @@ def test_compare_reports_compute_to_target_and_break_even():
     assert plain.to_json()["compute"] is None and result.to_json()["compute"]["units"] == "baseline steps"
 
 
+def test_generation_alpha_prices_generation_by_rows_per_step():
+    """α = 1 reproduces the per-token price at any batch; α = 0 prices a step's generation as fixed whatever its rows
+    (at the same completion lengths); the published curve fits α ≈ 0.38."""
+    from trl_costaware.tracking.compare.compute import (
+        GPU_VERL,
+        PUBLISHED_ALPHA,
+        fitted_alpha,
+        token_weights,
+    )
+
+    per_token = token_weights(GPU_VERL, 1000.0, 2000.0)
+    one = token_weights(GPU_VERL, 1000.0, 2000.0, alpha=1.0, rows_per_step=64)
+    zero = token_weights(GPU_VERL, 1000.0, 2000.0, alpha=0.0, rows_per_step=64)
+    half = token_weights(GPU_VERL, 1000.0, 2000.0, alpha=0.5, rows_per_step=64)
+    for rows, gen, pol in [(64, 1000.0, 2000.0), (32, 500.0, 1000.0), (128, 2000.0, 1000.0)]:
+        assert one.compute(gen, pol, rows) == pytest.approx(per_token.compute(gen, pol))
+        # half the rows at the same lengths: the same generation per step at α = 0, 1/√2 of it at α = ½
+        assert zero.compute(gen, pol, rows) == pytest.approx(0.55 + 0.45 * pol / 2000)
+        assert half.compute(gen, pol, rows) == pytest.approx(0.55 * (rows / 64) ** 0.5 + 0.45 * pol / 2000)
+    with pytest.raises(ValueError, match="rows per step"):
+        zero.compute(1000.0, 2000.0)
+    with pytest.raises(ValueError, match="generation_alpha"):
+        token_weights(GPU_VERL, 1000.0, 2000.0, alpha=1.5, rows_per_step=64)
+    assert fitted_alpha([16, 64, 256], [3.0, 4.0, 8.5]) == pytest.approx(PUBLISHED_ALPHA, abs=0.005)
+    assert fitted_alpha([1, 2, 4], [1.0, 2.0, 4.0]) == pytest.approx(1.0)
+
+
+def test_compare_prices_a_smaller_batch_by_generation_alpha(capsys):
+    """Baseline: 64 rows, 1000 generated and 1000 policy tokens per step, reaches 1.0 at step 4. A smaller batch:
+    32 rows, half of both, reaches it at step 6. Per token (α = 1) its step costs 0.5 of the baseline's: 3 baseline
+    steps; at α = 0 its generation costs the baseline's per step, 0.55 + 0.45 / 2 = 0.775: 4.65 baseline steps."""
+    steps = [1, 2, 3, 4, 5, 6, 7]
+    base = synthetic_steps("base", steps, [0.0, 0.25, 0.5, 1.0, 1.0, 1.0, 1.0], False, 1000, 1000)
+    small = synthetic_steps("small", steps, [0.0, 0.2, 0.4, 0.6, 0.8, 1.0, 1.0], False, 500, 500)
+    for run, rows in ((base, 64), (small, 32)):
+        for row in run.rows:
+            row["cost_aware/rows_generated"] = float(rows * row["step"])
+    arms = dict(smoothing=0, fractions=(1.0,), baseline="baseline", labels=["small=small", "base=baseline"])
+    one = compare_runs([base, small], **arms)
+    zero = compare_runs([base, small], **arms, generation_alpha=0.0)
+    cost = {r["arm"]: r["targets"][0]["compute"] for r in one.arms}
+    assert cost == pytest.approx({"baseline": 4.0, "small": 3.0})
+    cost = {r["arm"]: r["targets"][0]["compute"] for r in zero.arms}
+    assert cost == pytest.approx({"baseline": 4.0, "small": 6 * 0.775})
+    assert zero.to_json()["compute"]["generation_alpha"] == 0.0 and "--generation-alpha" in format_report(zero)
+    with pytest.raises(ValueError, match="generation_alpha"):
+        compare_runs([base, small], smoothing=0, generation_alpha=2.0)
+
+
 def test_png_has_a_compute_panel_at_the_split():
     """The PNG draws the metric against policy tokens AND against compute at the comparison's split (verl's
     generation 55% by default), where the cost-aware arm's crossing sits at 3.3 baseline steps against the baseline's

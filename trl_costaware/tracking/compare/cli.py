@@ -75,6 +75,15 @@ def build_parser(prog: str = "trl-costaware compare") -> argparse.ArgumentParser
         "old/ref passes 19%%, update 26%%), gpu_gen77 (generation 77%%), cpu:U (a measured update share U, no "
         "passes), gen=A,passes=B,update=C, or none (no compute columns)",
     )
+    p.add_argument(
+        "--generation-alpha",
+        type=float,
+        default=1.0,
+        metavar="A",
+        help="generation time of a step ∝ (rows generated per step)^A, in [0, 1]: 1 (default) prices generation per "
+        "generated token; below 1 a batched accelerator generates more rows per second at larger batches (0.38 fits "
+        "PODS' published curve); matters only between arms that generate different rows per step",
+    )
     p.add_argument("--band", choices=("minmax", "std", "none"), default="minmax", help="band around the seed mean")
     p.add_argument("--minimize", action="store_true", help="lower is better (e.g. a loss)")
     p.add_argument("--out", default="cost_aware_compare.png", help="PNG path (default ./cost_aware_compare.png)")
@@ -100,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             split = None if args.compute_split == "none" else parse_split(args.compute_split)
         except ValueError as err:
             raise CompareError(f"--compute-split: {err}; names: {', '.join(SPLITS)}") from err
+        if not 0.0 <= args.generation_alpha <= 1.0:
+            raise CompareError(f"--generation-alpha {args.generation_alpha}: a number in [0, 1]")
         runs = load_runs(args.runs, progress=False if args.no_progress else None)
         result = compare_runs(
             runs,
@@ -114,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             band=args.band,
             minimize=args.minimize,
             compute_split=split,
+            generation_alpha=args.generation_alpha,
         )
     except CompareError as err:
         print(f"error: {err}", file=sys.stderr)

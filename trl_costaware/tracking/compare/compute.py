@@ -24,6 +24,19 @@ rollouts and keeps a fraction ``f = P̄_arm / P̄_base`` of the policy tokens ha
 and costs more than the baseline to a target exactly when its steps to the target exceed the **break-even steps
 ratio** ``1 / c(f)`` times the baseline's.
 
+How generation scales with the batch. The weights above price generation per generated token, as if generation time
+grew in proportion to the rows generated. On an accelerator it does not: decoding is memory-bound, so a step of the
+decode loop costs about ``B^α`` for ``B`` rows until the device saturates. With ``α`` (`generation_alpha`), a run
+that generates ``B`` rows per step against the baseline's ``B_base`` pays
+
+    w_gen · G_run · (B / B_base)^(α − 1)
+
+for its generation: time ∝ (mean generated tokens per row) · B^α. ``α = 1`` (compute-bound) is the per-token price
+above; ``α = 0`` prices a step's generation as fixed, whatever its batch, at the same completion lengths; the
+published curve of PODS (arXiv 2504.13818: one L40S, a 3B model, 16 → 64 → 256 rollouts in about 3.0 → 4.0 → 8.5 s)
+fits ``α ≈ 0.38`` (`PUBLISHED_ALPHA`). The update and the old/reference passes stay priced per token (compute-bound
+for models of about 0.5B parameters and up). ``α`` matters only between runs that generate different rows per step.
+
 From measured wall time instead (a run's update phase share ``u`` = (training step − generation and scoring) /
 training step): with the same generation work per step, the arm's step costs ``(1 − u_base) / (1 − u_arm)`` of the
 baseline's (`phase_step_cost`), free of the machine-speed differences between runs that absolute seconds carry.
@@ -67,6 +80,22 @@ GPU_VERL = Split(0.55, 0.19, 0.26, "gpu", "verl Qwen3-8B GRPO step: generation 5
 _REST = 0.23 / 0.45
 GPU_GEN77 = Split(0.77, 0.19 * _REST, 0.26 * _REST, "gpu_gen77", "generation 77% (published upper end), rest as verl")
 SPLITS = {s.name: s for s in (GPU_VERL, GPU_GEN77)}
+# The batch exponent of generation time fitted to PODS' published curve (16, 64, 256 rollouts: 3.0, 4.0, 8.5 s;
+# least squares on the logs; 0.21 from 16 to 64, 0.54 from 64 to 256).
+PUBLISHED_ALPHA = 0.38
+
+
+def fitted_alpha(rows: list[float], seconds: list[float]) -> float:
+    """The least-squares slope of log(seconds) on log(rows): the α of generation time ∝ B^α."""
+    if len(rows) != len(seconds) or len(rows) < 2 or min(rows) <= 0 or min(seconds) <= 0:
+        raise ValueError(f"need >= 2 positive (rows, seconds) pairs, got {rows}, {seconds}")
+    x = [math.log(r) for r in rows]
+    y = [math.log(t) for t in seconds]
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxx = sum((a - mx) ** 2 for a in x)
+    if sxx == 0:
+        raise ValueError(f"need at least two batch sizes, got {rows}")
+    return sum((a - mx) * (b - my) for a, b in zip(x, y, strict=True)) / sxx
 
 
 def cpu_split(update_share: float, name: str = "cpu") -> Split:
@@ -114,22 +143,50 @@ def parse_split(spec: str) -> Split:
 
 @dataclass(frozen=True)
 class TokenWeights:
-    """Per-token weights in baseline-step units: compute = gen · generated tokens + policy · policy tokens."""
+    """Per-token weights in baseline-step units: compute = gen · generated tokens · (B / B_base)^(α − 1) + policy ·
+    policy tokens, with B a run's rows generated per step and `rows_per_step` the baseline's (needed when α ≠ 1)."""
 
     gen: float
     policy: float
     split: Split
+    alpha: float = 1.0
+    rows_per_step: float | None = None
 
-    def compute(self, generated_tokens: float, policy_tokens: float) -> float:
-        return self.gen * generated_tokens + self.policy * policy_tokens
+    def compute(self, generated_tokens: float, policy_tokens: float, rows_per_step: float | None = None) -> float:
+        gen = self.gen * generated_tokens
+        if self.alpha != 1.0:
+            if not (rows_per_step and self.rows_per_step):
+                raise ValueError(
+                    f"generation_alpha={self.alpha} prices by rows per step: the run's and the baseline's"
+                )
+            gen *= (rows_per_step / self.rows_per_step) ** (self.alpha - 1.0)
+        return gen + self.policy * policy_tokens
 
 
-def token_weights(split: Split, gen_per_step: float, policy_per_step: float) -> TokenWeights:
+def check_alpha(alpha: float) -> float:
+    if not (isinstance(alpha, int | float) and math.isfinite(alpha) and 0.0 <= alpha <= 1.0):
+        raise ValueError(f"generation_alpha must be a number in [0, 1], got {alpha!r}")
+    return float(alpha)
+
+
+def token_weights(
+    split: Split,
+    gen_per_step: float,
+    policy_per_step: float,
+    alpha: float = 1.0,
+    rows_per_step: float | None = None,
+) -> TokenWeights:
     """Weights calibrated to the baseline: its step (``gen_per_step`` generated and ``policy_per_step`` policy
-    tokens) costs 1. w_gen = s_gen / Ḡ, w_pol = (s_pass + s_upd) / P̄."""
+    tokens, ``rows_per_step`` rows generated) costs 1. w_gen = s_gen / Ḡ, w_pol = (s_pass + s_upd) / P̄; `alpha` the
+    batch exponent of generation time (1: per token)."""
     if not (gen_per_step > 0 and policy_per_step > 0):
         raise ValueError(f"baseline tokens per step must be > 0, got {gen_per_step}, {policy_per_step}")
-    return TokenWeights(split.generation / gen_per_step, split.per_policy_token / policy_per_step, split)
+    alpha = check_alpha(alpha)
+    if alpha != 1.0 and not (rows_per_step and rows_per_step > 0):
+        raise ValueError(f"generation_alpha={alpha} needs the baseline's rows generated per step, got {rows_per_step}")
+    return TokenWeights(
+        split.generation / gen_per_step, split.per_policy_token / policy_per_step, split, alpha, rows_per_step
+    )
 
 
 def step_cost(kept_token_fraction: float, split: Split, gen_ratio: float = 1.0) -> float:

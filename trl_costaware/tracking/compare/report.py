@@ -132,7 +132,9 @@ def format_report(result: Result) -> str:
     if w is not None:
         lines.append(
             f"compute = what a run costs in steps of the baseline ({w.split.describe()}; {w.split.source or 'custom'}"
-            f"): {w.gen:.3g} per generated token + {w.policy:.3g} per policy token (old/reference passes run on the "
+            f"): {w.gen:.3g} per generated token"
+            + ("" if w.alpha == 1.0 else f" × (rows per step / the baseline's)^({w.alpha:g} − 1) (--generation-alpha)")
+            + f" + {w.policy:.3g} per policy token (old/reference passes run on the "
             "kept rows, so they scale with the policy tokens). break-even steps ratio = 1 / compute per step: an arm "
             "whose steps to a target exceed this multiple of the baseline's costs more than the baseline. Change the "
             "split with --compute-split (e.g. cpu:0.55 for a measured update share of 55%)."

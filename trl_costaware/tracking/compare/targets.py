@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..names import BASELINE_ARM, COST_AWARE_ARM
-from .compute import GPU_VERL, Split, TokenWeights, token_weights
+from .compute import GPU_VERL, Split, TokenWeights, check_alpha, token_weights
 from .curves import COMPUTE_KEY, Curve, aggregate, first_crossing, raw_series, run_curve, smoothing_window
 from .noise import NoiseCheck, baseline_improvement
 from .readers import CompareError, RunHistory, canonical_key, canonical_x, default_arm, duplicated_steps
@@ -23,6 +23,7 @@ DEFAULT_SMOOTH = 0.6
 DEFAULT_FRACTIONS = (1.0, 0.99)
 DEFAULT_SPLIT = GPU_VERL
 GEN_KEY, POLICY_KEY = "cost_aware/generated_tokens", "cost_aware/policy_tokens"
+ROWS_KEY = "cost_aware/rows_generated"
 
 
 @dataclass
@@ -78,6 +79,7 @@ class Result:
                 "split": self.compute_weights.split.__dict__,
                 "weight_per_generated_token": self.compute_weights.gen,
                 "weight_per_policy_token": self.compute_weights.policy,
+                "generation_alpha": self.compute_weights.alpha,
             },
         }
 
@@ -126,26 +128,37 @@ def _choose_baseline(arms: dict[str, list[RunHistory]], baseline: str | None) ->
     )
 
 
-def add_compute(runs: list[RunHistory], baseline: list[RunHistory], split: Split) -> TokenWeights | None:
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def add_compute(
+    runs: list[RunHistory], baseline: list[RunHistory], split: Split, alpha: float = 1.0
+) -> TokenWeights | None:
     """Give every row with both token counters a derived compute (`COMPUTE_KEY`, in baseline-step units):
-    w_gen · generated tokens + w_pol · policy tokens, the weights calibrated on the baseline runs' mean tokens per
-    step (`compute.token_weights`). None (and no compute) when a baseline run lacks the counters or the step."""
-    gen, pol = [], []
+    w_gen · generated tokens · (B / B_base)^(α − 1) + w_pol · policy tokens, the weights calibrated on the baseline
+    runs' mean tokens (and rows, B) per step (`compute.token_weights`). None (and no compute) when a baseline run
+    lacks the counters or the step; with α ≠ 1 a row also needs the rows-generated counter."""
+    keys = (GEN_KEY, POLICY_KEY, "step") + ((ROWS_KEY,) if alpha != 1.0 else ())
+    gen, pol, rows = [], [], []
     for run in baseline:
-        last = [r for r in run.rows if all(isinstance(r.get(k), (int, float)) for k in (GEN_KEY, POLICY_KEY, "step"))]
-        last = [r for r in last if r["step"] > 0]
+        last = [r for r in run.rows if all(_number(r.get(k)) for k in keys) and r["step"] > 0]
         if not last:
             return None
         gen.append(last[-1][GEN_KEY] / last[-1]["step"])
         pol.append(last[-1][POLICY_KEY] / last[-1]["step"])
-    if min(gen) <= 0 or min(pol) <= 0:
+        rows.append(last[-1][ROWS_KEY] / last[-1]["step"] if alpha != 1.0 else 0.0)
+    if min(gen) <= 0 or min(pol) <= 0 or (alpha != 1.0 and min(rows) <= 0):
         return None
-    weights = token_weights(split, float(np.mean(gen)), float(np.mean(pol)))
+    weights = token_weights(split, float(np.mean(gen)), float(np.mean(pol)), alpha, float(np.mean(rows)) or None)
     for run in runs:
         for row in run.rows:
-            g, p = row.get(GEN_KEY), row.get(POLICY_KEY)
-            if isinstance(g, (int, float)) and isinstance(p, (int, float)):
-                row[COMPUTE_KEY] = weights.compute(g, p)
+            if not all(_number(row.get(k)) for k in keys) or (alpha != 1.0 and not row["step"] > 0):
+                continue
+            per_step = row[ROWS_KEY] / row["step"] if alpha != 1.0 else None
+            if alpha != 1.0 and not per_step:
+                continue
+            row[COMPUTE_KEY] = weights.compute(row[GEN_KEY], row[POLICY_KEY], per_step)
     return weights
 
 
@@ -234,6 +247,7 @@ def compare_runs(
     band: str = "minmax",
     minimize: bool = False,
     compute_split: Split | None = DEFAULT_SPLIT,
+    generation_alpha: float = 1.0,
 ) -> Result:
     """Group `runs` into arms, average each arm's seeds, take the baseline arm's peak (and `fractions` of it) as
     targets, and find where every arm and run first reaches them. Tokens-to-target numbers and savings are given
@@ -241,7 +255,8 @@ def compare_runs(
 
     With `compute_split` (default: verl's GPU split) every run also gets compute to each target in baseline-step
     units (`add_compute`), the arm's compute per step and the break-even steps ratio (1 / compute per step): the
-    steps ratio to a target above which the arm costs more than the baseline."""
+    steps ratio to a target above which the arm costs more than the baseline. `generation_alpha` (in [0, 1]) prices
+    generation as ∝ B^α in the rows B generated per step (`compute`'s module docstring); 1: per generated token."""
     metric, x_key = canonical_key(metric), canonical_x(x)
     if not runs:
         raise CompareError("no runs to compare")
@@ -264,7 +279,8 @@ def compare_runs(
     for run in runs:
         arms.setdefault(run.label, []).append(run)
     base_label = _choose_baseline(arms, baseline)
-    weights = add_compute(runs, arms[base_label], compute_split) if compute_split is not None else None
+    alpha = check_alpha(generation_alpha)
+    weights = add_compute(runs, arms[base_label], compute_split, alpha) if compute_split is not None else None
     if weights is not None:  # the curves carry the compute now
         for run in runs:
             c = run_curve(run, metric, x_key, smoothing, min_points)
