@@ -7,13 +7,21 @@ Writes ``summary.json``, ``summary.md`` and ``curves.png`` into the results fold
 records (`real_model_learning.train`'s result files):
 
 - a curve point per evaluation: step, held-out score (T = 1) and greedy, cumulative policy and generated tokens,
-  measured seconds (the step clock, evaluation excluded) and compute priced by a published GPU split in GRPO-step
-  units (`trl_costaware.tracking.compare.compute.token_weights`, calibrated on the same seed's GRPO run);
-- the target: the start score + a fraction (0.8, 0.5) of GRPO's mean gain at its last step; the cost to it is read
-  on the curve by linear interpolation between evaluations (None: not reached);
-- per arm, the ratio to GRPO of the same seed (steps, policy tokens, compute), Δ score at the end (equal steps) and
-  at the arm's own final compute (GRPO's curve interpolated there), with a bootstrap interval over seeds (no
-  interval below 3 seeds), and the largest fall of its score between evaluations;
+  measured seconds (the step clock, evaluation excluded), this process's CPU seconds where recorded (else the step
+  clock), and compute priced by a published GPU split over the whole GRPO run (for Δ at equal compute);
+- the target: the start score + a fraction (0.8, 0.5) of GRPO's (8 x 8) mean gain at its last step; the cost to it is
+  read on the curve by linear interpolation between evaluations (None: not reached);
+- compute to the target in GRPO-step units (`price`): the generation share `s` of GRPO's step calibrated on the same
+  seed's GRPO tokens per step up to its own crossing of the target, generation priced by the rows B generated per
+  step as ∝ B^α (`trl_costaware.tracking.compare.compute`: α = 1 per generated token, α = 0 fixed per step,
+  `PUBLISHED_ALPHA` PODS' curve), the rest per policy token;
+- per arm, the ratio to GRPO of the same seed (steps, policy tokens, compute, CPU seconds), Δ score at the end
+  (equal steps) and at the arm's own final compute (GRPO's curve interpolated there), and the largest fall of its
+  score between evaluations; every mean comes with its per-seed values and a 95% Student-t interval over seeds (with
+  3 seeds a percentile bootstrap is only their range);
+- the frontier: each arm's compute to the target against GRPO's at its best batch (the GRPO arm that costs least at
+  that pricing), for generation shares and α, the α at which the row stage and the smaller batch break even, and a
+  figure (`frontier.png`);
 - between each pair of non-GRPO arms, paired by seed: the difference of their ratios to GRPO (steps, compute) and
   of their final scores, with the same interval;
 - from the GRPO runs' group log: the share of groups whose rewards are all equal (no gradient) and of the generated
@@ -27,8 +35,9 @@ import glob
 import json
 import math
 import os
-import random
 import sys
+
+from trl_costaware.tracking.compare.compute import PUBLISHED_ALPHA
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -36,7 +45,15 @@ RESULTS_DIR = os.path.join(HERE, "results", "real_model_learning")  # real_model
 TARGET_FRACTIONS = (0.8, 0.5)
 SPLITS = ("gpu", "gpu_gen77")
 BASELINE = "grpo"
-BOOTSTRAP = 4000
+GRPO_ARMS = ("grpo", "grpo_4x8", "grpo_8x4")  # GRPO at its batches: its best is the one that costs least
+ROW_STAGE, SMALLER_BATCH = "loss_aware_0.5", "grpo_4x8"  # the break-even α is between these two
+FRONTIER_ALPHAS = (1.0, PUBLISHED_ALPHA, 0.0)  # per generated token; PODS' published curve; fixed per step
+SWEEP_SHARES = tuple(i / 10 for i in range(11))  # the figure's generation shares
+BREAK_EVEN_SHARES = (0.3, 0.55, 0.77)
+# 95% two-sided Student-t quantiles by degrees of freedom (1.96 beyond 30)
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+T95.update({k: v for k, v in zip(range(11, 31), (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093,
+            2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042), strict=True)})  # fmt: skip
 
 
 # ====================================================================================================== curves
@@ -65,15 +82,27 @@ def step_rate(run: dict) -> tuple[float, float]:
     return last["generated_tokens"] / last["step"], last["policy_tokens"] / last["step"]
 
 
+def rows_per_step(run: dict) -> float:
+    """Rows generated per step: the run's shape (prompts x rollouts), else its counter."""
+    shape = run.get("shape") or {}
+    if shape.get("prompts") and shape.get("generations"):
+        return float(shape["prompts"] * shape["generations"])
+    last = run["steps"][-1]
+    return last["rows_generated"] / last["step"]
+
+
 def curve(run: dict, weights: dict) -> list[dict]:
     """The run's evaluation points, step 0 first: step, score, greedy, policy_tokens, generated_tokens, seconds
-    (cumulative step clock), gen_seconds, and ``compute_<split>`` for each priced split in `weights`."""
+    (cumulative step clock), cpu_seconds (this process's CPU time where recorded, else the step clock), gen_seconds,
+    and ``compute_<split>`` for each priced split in `weights`."""
     base = run["base_eval"]
     zero = {"step": 0, "score": base["score"], "greedy": base["greedy"], "policy_tokens": 0.0}
-    zero.update(generated_tokens=0.0, seconds=0.0, gen_seconds=0.0, **{f"compute_{k}": 0.0 for k in weights})
-    points, seconds, gen_seconds = [zero], 0.0, 0.0
+    zero.update(generated_tokens=0.0, seconds=0.0, cpu_seconds=0.0, gen_seconds=0.0)
+    zero.update({f"compute_{k}": 0.0 for k in weights})
+    points, seconds, cpu_seconds, gen_seconds = [zero], 0.0, 0.0, 0.0
     for row in run["steps"]:
         seconds += row["step_s"]
+        cpu_seconds += row.get("cpu_s", row["step_s"])
         gen_seconds += row["gen_s"]
         if "eval" not in row:
             continue
@@ -84,6 +113,7 @@ def curve(run: dict, weights: dict) -> list[dict]:
             "policy_tokens": row["policy_tokens"],
             "generated_tokens": row["generated_tokens"],
             "seconds": seconds,
+            "cpu_seconds": cpu_seconds,
             "gen_seconds": gen_seconds,
         }
         for name, w in weights.items():
@@ -115,15 +145,111 @@ def value_at(points: list[dict], x: str, at: float) -> float | None:
     return None
 
 
-def interval(values: list[float], seed: int = 0) -> dict:
-    """Mean and a 95% bootstrap interval over the values (seeds); no interval below 3 values."""
+def interval(values: list[float]) -> dict:
+    """Mean, the per-seed values and a 95% Student-t interval for the mean over them (mean ± t · sd / √n); no
+    interval below 2 values. With 3 seeds a percentile bootstrap would be no more than their range."""
     vals = [v for v in values if v is not None and math.isfinite(v)]
     out = {"mean": sum(vals) / len(vals) if vals else None, "n": len(vals), "values": vals, "lo": None, "hi": None}
-    if len(vals) >= 3:
-        rng = random.Random(seed)
-        means = sorted(sum(rng.choices(vals, k=len(vals))) / len(vals) for _ in range(BOOTSTRAP))
-        out["lo"], out["hi"] = means[int(0.025 * BOOTSTRAP)], means[int(0.975 * BOOTSTRAP) - 1]
+    if len(vals) >= 2:
+        mean = out["mean"]
+        sd = math.sqrt(sum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+        half = T95.get(len(vals) - 1, 1.96) * sd / math.sqrt(len(vals))
+        out["lo"], out["hi"] = mean - half, mean + half
     return out
+
+
+def excludes_zero(iv: dict) -> bool:
+    """Whether the interval lies wholly on one side of 0 (a detectable difference)."""
+    return iv["lo"] is not None and (iv["lo"] > 0 or iv["hi"] < 0)
+
+
+# ====================================================================================================== pricing
+def at_target(points: list[dict], target: float) -> dict | None:
+    """Every cumulative quantity of the curve where it first reaches `target` (linear between evaluations)."""
+    step = cost_to(points, target, "step")
+    if step is None:
+        return None
+    return {x: cost_to(points, target, x) for x in points[0] if x not in ("score", "greedy")}
+
+
+def price(cross: dict, ref: dict, rows: float, ref_rows: float, share: float, alpha: float) -> float | None:
+    """Compute to the target in steps of the reference GRPO run (`ref`: its crossing, same seed), generation share
+    `share` of its step calibrated on its tokens per step up to that crossing, generation ∝ B^α in the rows per step
+    (`compute.token_weights`), the rest per policy token. The reference itself costs its steps."""
+    from trl_costaware.tracking.compare.compute import Split, token_weights
+
+    if ref["step"] <= 0 or ref["policy_tokens"] <= 0:  # the start already meets the target: nothing to price
+        return None
+    split = Split(share, 0.0, 1.0 - share)
+    per_step = (ref["generated_tokens"] / ref["step"], ref["policy_tokens"] / ref["step"])
+    weights = token_weights(split, *per_step, alpha=alpha, rows_per_step=ref_rows)
+    return weights.compute(cross["generated_tokens"], cross["policy_tokens"], rows)
+
+
+def frontier(runs: dict, curves: dict, target: float, shares: list[float], alphas: list[float]) -> dict:
+    """For each generation share and α: every arm's compute to `target` per seed as a ratio to GRPO (8 x 8) of the
+    same seed, GRPO's best batch (the GRPO arm with the least mean ratio), and each arm's ratio to that batch."""
+    arms = sorted({a for a, _ in runs}, key=lambda a: (a not in GRPO_ARMS, a))
+    out = {}
+    for share in shares:
+        for alpha in alphas:
+            key = f"s{share:g}_a{alpha:g}"
+            table = {}
+            for arm in arms:
+                by_seed = {}
+                for (a, seed), run in runs.items():
+                    if a != arm or (BASELINE, seed) not in runs:
+                        continue
+                    ref = at_target(curves[(BASELINE, seed)], target)
+                    cross = at_target(curves[(arm, seed)], target)
+                    if ref is None or cross is None:
+                        by_seed[seed] = None
+                        continue
+                    cost = price(cross, ref, rows_per_step(run), rows_per_step(runs[(BASELINE, seed)]), share, alpha)
+                    by_seed[seed] = None if cost is None else cost / ref["step"]
+                table[arm] = by_seed
+            means = {a: interval(list(v.values()))["mean"] for a, v in table.items()}
+            grpo = [a for a in GRPO_ARMS if means.get(a) is not None]
+            best = min(grpo, key=lambda a: means[a]) if grpo else None
+            rows = {}
+            for arm, by_seed in table.items():
+                vs_best = []
+                for seed, v in by_seed.items():
+                    b = table[best].get(seed) if best is not None else None
+                    vs_best.append(v / b if v is not None and b else None)
+                rows[arm] = {"by_seed": by_seed, "ratio": interval(list(by_seed.values())),
+                             "vs_best_grpo": interval(vs_best)}  # fmt: skip
+            out[key] = {"share": share, "alpha": alpha, "best_grpo": best, "arms": rows}
+    return out
+
+
+def break_even_alpha(runs: dict, curves: dict, target: float, share: float, a: str, b: str) -> float | None:
+    """The α in [0, 1] at which arms `a` and `b` cost the same (mean ratio to GRPO over their common seeds) at
+    generation share `share`, by bisection on the sign of the difference; None when one is cheaper at every α or
+    an arm is missing."""
+
+    def gap(alpha):
+        t = frontier({k: v for k, v in runs.items() if k[0] in (a, b, BASELINE)}, curves, target, [share], [alpha])
+        row = next(iter(t.values()))["arms"]
+        if a not in row or b not in row:
+            return None
+        seeds = [s for s in row[a]["by_seed"] if row[b]["by_seed"].get(s) is not None and row[a]["by_seed"][s]]
+        if not seeds:
+            return None
+        return sum(row[a]["by_seed"][s] - row[b]["by_seed"][s] for s in seeds) / len(seeds)
+
+    lo, hi = gap(0.0), gap(1.0)
+    if lo is None or hi is None or lo * hi > 0:
+        return None
+    x0, x1 = 0.0, 1.0
+    for _ in range(30):
+        mid = (x0 + x1) / 2
+        g = gap(mid)
+        if (g < 0) == (lo < 0):
+            x0 = mid
+        else:
+            x1 = mid
+    return (x0 + x1) / 2
 
 
 # ================================================================================================= generation side
@@ -242,7 +368,7 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
     )
     out["grpo_end_greedy"] = interval([curves[(BASELINE, s)][-1]["greedy"] for s in base_seeds])
     out["start_greedy"] = curves[(BASELINE, base_seeds[0])][0]["greedy"]
-    xs = ["step", "policy_tokens", "seconds"] + [f"compute_{k}" for k in SPLITS]
+    xs = ["step", "policy_tokens", "seconds", "cpu_seconds"] + [f"compute_{k}" for k in SPLITS]
     out["targets"] = {}
     for frac in TARGET_FRACTIONS:
         target = start + frac * (end - start)
@@ -252,10 +378,21 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
             for x in xs:
                 costs, ratios = {}, []
                 for seed in out["seeds"][arm]:
-                    c = cost_to(curves[(arm, seed)], target, x)
+                    if x.startswith("compute_"):  # priced per token, calibrated on GRPO's steps up to the target
+                        ref = at_target(curves[(BASELINE, seed)], target) if (BASELINE, seed) in curves else None
+                        cross = at_target(curves[(arm, seed)], target)
+                        share = SPLIT_TABLE[x[len("compute_") :]].generation
+                        rows, ref_rows = (
+                            rows_per_step(runs[(arm, seed)]),
+                            rows_per_step(runs.get((BASELINE, seed), {})),
+                        )
+                        c = None if ref is None or cross is None else price(cross, ref, rows, ref_rows, share, 1.0)
+                        b = None if ref is None else ref["step"]
+                    else:
+                        c = cost_to(curves[(arm, seed)], target, x)
+                        b = cost_to(curves[(BASELINE, seed)], target, x) if (BASELINE, seed) in curves else None
                     costs[seed] = c
                     if (BASELINE, seed) in curves:
-                        b = cost_to(curves[(BASELINE, seed)], target, x)
                         ratios.append(c / b if c is not None and b else None)
                 row[x] = {
                     "by_seed": costs,
@@ -264,6 +401,16 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
                 }
             table[arm] = row
         out["targets"][f"{frac:g}"] = {"target": target, "arms": table}
+    target = out["targets"][f"{TARGET_FRACTIONS[0]:g}"]["target"]
+    out["frontier"] = frontier(runs, curves, target, [SPLIT_TABLE[k].generation for k in SPLITS], FRONTIER_ALPHAS)
+    out["frontier_sweep"] = {
+        key: {a: v["ratio"]["mean"] for a, v in t["arms"].items()}
+        for key, t in frontier(runs, curves, target, SWEEP_SHARES, FRONTIER_ALPHAS).items()
+    }
+    out["break_even_alpha"] = {
+        f"{share:g}": break_even_alpha(runs, curves, target, share, ROW_STAGE, SMALLER_BATCH)
+        for share in BREAK_EVEN_SHARES
+    }
     out["end"] = {}
     for arm in arms:
         d_steps, d_compute, d_seconds, ends = [], [], [], []
@@ -336,12 +483,13 @@ def between_arms(s: dict, curves: dict) -> dict:
 
 # ====================================================================================================== report
 def _iv(iv: dict, fmt: str = "{:.2f}") -> str:
+    """mean [95% t-interval] (the per-seed values)."""
     if iv["mean"] is None:
         return "—"
     vals = ", ".join(fmt.format(v) for v in iv["values"])
     if iv["lo"] is None:
-        return f"{fmt.format(iv['mean'])} (seeds: {vals}; no interval)"
-    return f"{fmt.format(iv['mean'])} [{fmt.format(iv['lo'])}, {fmt.format(iv['hi'])}]"
+        return f"{fmt.format(iv['mean'])} (one seed: no interval)"
+    return f"{fmt.format(iv['mean'])} [{fmt.format(iv['lo'])}, {fmt.format(iv['hi'])}] ({vals})"
 
 
 def report(s: dict) -> str:
@@ -362,13 +510,18 @@ def report(s: dict) -> str:
         f"last step {_iv(s['grpo_gain'], '{:.3f}')}; greedy at the end {_iv(s['grpo_end_greedy'], '{:.3f}')}.",
         "",
     ]
-    names = {"step": "steps", "policy_tokens": "policy tokens", "seconds": "CPU seconds"}
+    names = {"step": "steps", "policy_tokens": "policy tokens", "seconds": "step seconds",
+             "cpu_seconds": "CPU seconds"}  # fmt: skip
     names.update({f"compute_{k}": f"compute ({k})" for k in SPLITS})
     for frac, t in s["targets"].items():
         lines.append(f"## Cost to the target: start + {float(frac):.0%} of GRPO's gain (score {t['target']:.3f})")
         lines.append("")
-        lines.append("Ratio to GRPO of the same seed (mean [95% bootstrap over seeds]); not reached: seeds that never")
-        lines.append("reach it in the run.")
+        lines.append("Ratio to GRPO (8 x 8) of the same seed: mean [95% t-interval over seeds] (per-seed values); not")
+        lines.append(
+            "reached: seeds that never reach it in the run. Compute: generation priced per generated token at"
+        )
+        lines.append("the split's share of GRPO's step, calibrated on GRPO's steps up to the target. CPU seconds: the")
+        lines.append("run's own process time where recorded (one run per core), else the step clock.")
         lines.append("")
         lines.append("| arm | " + " | ".join(names[x] for x in names) + " | not reached |")
         lines.append("|---|" + "---|" * (len(names) + 1))
@@ -398,7 +551,8 @@ def report(s: dict) -> str:
     if s["between_arms"]:
         lines += ["", "## Between arms, paired by seed", ""]
         lines.append("b − a in the ratio to GRPO of the same seed (negative: b cost less), and in the score at the")
-        lines.append("last step; mean [95% bootstrap over seeds].")
+        lines.append("last step; mean [95% t-interval over seeds] (per-seed values). An interval that contains 0 is")
+        lines.append("no detectable difference.")
         lines.append("")
         measures = (("step", "steps"), ("compute_gpu", "compute (gpu)"), ("compute_gpu_gen77", "compute (gpu_gen77)"))
         cols = [(f"{x}@{f}", f"{n} to {float(f):.0%}") for f in s["targets"] for x, n in measures]
@@ -407,6 +561,7 @@ def report(s: dict) -> str:
         for pair, row in s["between_arms"].items():
             cells = [_iv(row[k], "{:+.2f}") for k, _ in cols] + [_iv(row["end_score"], "{:+.3f}")]
             lines.append(f"| {pair} | {', '.join(map(str, row['seeds']))} | " + " | ".join(cells) + " |")
+    lines += frontier_report(s)
     g = s["generation_side"]
     lines += ["", "## Generation side (GRPO runs)", ""]
     lines.append(
@@ -465,6 +620,75 @@ def report(s: dict) -> str:
     return "\n".join(lines)
 
 
+def frontier_report(s: dict) -> list[str]:
+    """The frontier section: compute to the 80% target by pricing, against GRPO (8 x 8) and GRPO's best batch."""
+    if not s.get("frontier"):
+        return []
+    lines = ["", f"## The frontier: compute to start + {TARGET_FRACTIONS[0]:.0%} of GRPO's gain, by pricing", ""]
+    lines.append("Generation share s of GRPO's (8 x 8) step, calibrated on its steps up to the target; generation")
+    lines.append("time ∝ (rows generated per step)^α (α = 1: per generated token; α = 0: fixed per step;")
+    lines.append(f"{PUBLISHED_ALPHA:g}: PODS' published curve); the rest per policy token. Per arm: ratio to GRPO")
+    lines.append("(8 x 8), and to GRPO at its best batch (the GRPO arm with the least mean ratio at that pricing),")
+    lines.append("paired by seed: mean [95% t-interval] (per-seed values).")
+    lines.append("")
+    lines.append("| pricing | GRPO's best batch | arm | ratio to GRPO 8 x 8 | ratio to GRPO's best batch |")
+    lines.append("|---|---|---|---|---|")
+    for t in s["frontier"].values():
+        pricing = f"s {t['share']:.2f}, α {t['alpha']:g}"
+        for arm, row in t["arms"].items():
+            lines.append(
+                f"| {pricing} | {t['best_grpo'] or '—'} | {arm} | {_iv(row['ratio'])} | {_iv(row['vs_best_grpo'])} |"
+            )
+    be = s.get("break_even_alpha", {})
+    if be:
+        lines.append("")
+        cells = ", ".join(f"s {k}: {'—' if v is None else f'{v:.2f}'}" for k, v in be.items())
+        lines.append(f"α at which {ROW_STAGE} and {SMALLER_BATCH} cost the same (mean over common seeds): {cells}")
+        lines.append("(—: one of them is cheaper at every α in [0, 1], or a run is missing).")
+    return lines
+
+
+def plot_frontier(s: dict, path: str) -> None:
+    """Compute to the target (ratio to GRPO 8 x 8, mean over seeds) against the generation share, one panel per α,
+    one line per arm; the break-even α of the row stage against the smaller batch in the titles' note."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = s.get("frontier_sweep") or {}
+    if not sweep:
+        return
+    fig, axes = plt.subplots(1, len(FRONTIER_ALPHAS), figsize=(5 * len(FRONTIER_ALPHAS), 4), sharey=True)
+    arms = sorted({a for v in sweep.values() for a in v}, key=lambda a: (a not in GRPO_ARMS, a))
+    for ax, alpha in zip(axes, FRONTIER_ALPHAS, strict=True):
+        for i, arm in enumerate(arms):
+            xs, ys = [], []
+            for share in SWEEP_SHARES:
+                y = sweep.get(f"s{share:g}_a{alpha:g}", {}).get(arm)
+                if y is not None:
+                    xs.append(share)
+                    ys.append(y)
+            if xs:
+                ax.plot(xs, ys, marker="o", ms=3, color=f"C{i}", ls="--" if arm in GRPO_ARMS else "-", label=arm)
+        for share in (0.55, 0.77):
+            ax.axvline(share, color="grey", ls=":", lw=0.8)
+        ax.axhline(1.0, color="black", lw=0.6)
+        note = {1.0: "per generated token", 0.0: "fixed per step"}.get(alpha, "PODS' published curve")
+        ax.set_title(f"α = {alpha:g} ({note})", fontsize=10)
+        ax.set_xlabel("generation share of GRPO's step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"compute to {TARGET_FRACTIONS[0]:.0%} of GRPO's gain / GRPO 8x8's")
+    axes[0].legend(fontsize=7)
+    be = s.get("break_even_alpha", {})
+    cells = ", ".join(f"s {k}: {'none in [0, 1]' if v is None else f'{v:.2f}'}" for k, v in be.items())
+    fig.suptitle(f"When the row stage pays (dashed: GRPO at its batches). Break-even α, {ROW_STAGE} vs "
+                 f"{SMALLER_BATCH}: {cells}", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot(s: dict, path: str) -> None:
     import matplotlib
 
@@ -472,7 +696,7 @@ def plot(s: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     xs = [("compute_gpu", "compute, GRPO steps (GPU split, generation 55%)"), ("policy_tokens", "policy tokens"),
-          ("seconds", "measured CPU seconds (training)")]  # fmt: skip
+          ("cpu_seconds", "CPU seconds (training; process time where recorded)")]  # fmt: skip
     fig, axes = plt.subplots(1, len(xs), figsize=(5 * len(xs), 4), sharey=True)
     colors = {}
     for ax, (x, label) in zip(axes, xs, strict=True):
@@ -495,7 +719,8 @@ def plot(s: dict, path: str) -> None:
     axes[0].set_ylabel("held-out score (T = 1)")
     axes[0].legend(fontsize=8)
     fig.suptitle(
-        "SmolLM2-135M-Instruct, times tables, LoRA r 16, 8 prompts x 8, cap 64 (mean over seeds, thin: seeds)"
+        "SmolLM2-135M-Instruct, times tables, LoRA r 16, cap 64; 8 prompts x 8 unless the arm says (mean over seeds, "
+        "thin: seeds)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -514,6 +739,7 @@ def analyse(results: str) -> dict:
     with open(os.path.join(results, "summary.md"), "w", encoding="utf-8") as fh:
         fh.write(md + "\n")
     plot(s, os.path.join(results, "curves.png"))
+    plot_frontier(s, os.path.join(results, "frontier.png"))
     print(md)
     return s
 

@@ -5,6 +5,7 @@ recorded logs with known answers (costs to the target, ratios, Δ at equal compu
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -102,8 +103,8 @@ def test_command_line_rejects_unknown_arms_and_bad_seeds(tmp_path, capsys):
 
 
 # ====================================================================================================== analysis
-def _record(arm, seed, scores, gen_per_step, policy_per_step, step_s, every=5, groups=()):
-    """A run record with evaluations at every `every` steps (scores[0] is the start)."""
+def _record(arm, seed, scores, gen_per_step, policy_per_step, step_s, every=5, groups=(), rows=64):
+    """A run record with evaluations at every `every` steps (scores[0] is the start), `rows` rollouts per step."""
     steps = []
     for k in range(1, (len(scores) - 1) * every + 1):
         row = {"step": k, "step_s": step_s, "gen_s": step_s / 2}
@@ -116,6 +117,7 @@ def _record(arm, seed, scores, gen_per_step, policy_per_step, step_s, every=5, g
         "seed": seed,
         "commit": "abc",
         "base_eval": {"score": scores[0], "greedy": 0.8},
+        "shape": {"prompts": rows // 8, "generations": 8},
         "steps": steps,
         "groups": list(groups),
     }
@@ -204,3 +206,54 @@ def test_auc_counts_ties_as_half():
     assert rmla.auc([1, 1], [1, 0]) == 0.5
     assert rmla.auc([0.2, 0.9, 0.5], [0, 1, 0]) == 1.0
     assert rmla.auc([1.0], [1]) is None
+
+
+def test_frontier_prices_by_generation_share_and_alpha():
+    """GRPO 8 x 8 (64 rows, 1000 generated + 2000 policy tokens per step) reaches the 80% target 0.74 at step 8;
+    GRPO 4 x 8 (32 rows, half of both) at step 10; the row stage (64 rows, half the policy tokens) at step 9. At
+    generation share 0.55: 4 x 8 costs 0.55·5 + 0.45·5 = 5 GRPO steps per generated token (α = 1), and 0.55·5·2 +
+    2.25 = 7.75 with generation fixed per step (α = 0); the row stage 0.55·9 + 0.45·4.5 = 6.975 at any α. They
+    break even where 0.55·5·2^(1−α) = 4.725: α = 1 − log2(1.71818) = 0.219."""
+    runs = {}
+    for seed in range(3):
+        runs[("grpo", seed)] = _record("grpo", seed, [0.1, 0.5, 0.9], 1000, 2000, 10.0)
+        runs[("grpo_4x8", seed)] = _record("grpo_4x8", seed, [0.1, 0.42, 0.74001, 0.9], 500, 1000, 6.0, rows=32)
+        runs[("loss_aware_0.5", seed)] = _record("loss_aware_0.5", seed, [0.1, 0.42, 0.82, 0.9], 1000, 1000, 7.0)
+    s = rmla.summarise(runs)
+    one, zero = s["frontier"]["s0.55_a1"], s["frontier"]["s0.55_a0"]
+    assert one["arms"]["grpo"]["ratio"]["mean"] == pytest.approx(1.0)
+    assert one["arms"]["grpo_4x8"]["ratio"]["mean"] == pytest.approx(5.0 / 8, rel=1e-3)
+    assert zero["arms"]["grpo_4x8"]["ratio"]["mean"] == pytest.approx(7.75 / 8, rel=1e-3)
+    for t in (one, zero):
+        assert t["best_grpo"] == "grpo_4x8"
+        assert t["arms"]["loss_aware_0.5"]["ratio"]["mean"] == pytest.approx(6.975 / 8)
+    assert one["arms"]["loss_aware_0.5"]["vs_best_grpo"]["mean"] == pytest.approx(6.975 / 5.0, rel=1e-3)
+    assert zero["arms"]["loss_aware_0.5"]["vs_best_grpo"]["mean"] == pytest.approx(6.975 / 7.75, rel=1e-3)
+    # α = 1 is the per-token pricing of the targets table, calibrated on GRPO's steps up to the target
+    assert s["targets"]["0.8"]["arms"]["grpo_4x8"]["compute_gpu"]["ratio"]["mean"] == pytest.approx(5 / 8, rel=1e-3)
+    assert s["break_even_alpha"]["0.55"] == pytest.approx(0.219, abs=2e-3)
+    assert s["break_even_alpha"]["0.3"] == pytest.approx(1 - math.log2(2.35 / 1.5), abs=2e-3)
+    assert "## The frontier" in rmla.report(s)
+
+
+def test_intervals_are_student_t_with_the_seeds_values():
+    iv = rmla.interval([1.0, 2.0, 3.0])
+    assert iv["mean"] == 2.0 and iv["values"] == [1.0, 2.0, 3.0]
+    assert iv["hi"] - 2.0 == pytest.approx(4.303 * 1.0 / 3**0.5, rel=1e-3)  # t(2) · sd / √3
+    assert rmla.interval([0.5])["lo"] is None
+    assert rmla.excludes_zero(rmla.interval([0.1, 0.2, 0.15])) and not rmla.excludes_zero(rmla.interval([-1, 1, 0.5]))
+    assert "(1.00, 2.00, 3.00)" in rmla._iv(iv)
+
+
+def test_smoke_new_arms_run_at_their_shapes(tmp_path):
+    """GRPO at 4 x 8 and the 8 x 16 draw run at their scaled-down shapes (1 x 4 and 2 x 8 in smoke mode), filter only
+    keeps every row with an advantage; each step records its CPU seconds and the load, each run its cores."""
+    _, res = _smoke(tmp_path, "shapes", "--arms", "grpo_4x8,filter_only,loss_aware_0.25_8x16", "--steps", "1")
+    rows = {arm: _run(res, arm)["steps"][0] for arm in ("grpo_4x8", "filter_only", "loss_aware_0.25_8x16")}
+    assert rows["grpo_4x8"]["rows_generated"] == 4 == rows["grpo_4x8"]["rows_kept"]
+    assert rows["loss_aware_0.25_8x16"]["rows_generated"] == 16 and rows["loss_aware_0.25_8x16"]["rows_kept"] <= 4
+    assert rows["filter_only"]["rows_generated"] == 8 >= rows["filter_only"]["rows_kept"]
+    for arm, row in rows.items():
+        assert row["cpu_s"] > 0 and row["load"] >= 0, arm
+        assert _run(res, arm)["cores"], arm
+    assert rml.arm_shape("grpo_8x4")["generations"] == 4 and rml.arm_shape("grpo_8x4", smoke=True)["generations"] == 2
