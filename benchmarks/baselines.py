@@ -86,7 +86,7 @@ class _RowRuleTrainer(CostAwareGRPOTrainer):
     def _bookkeeping(self, batch, kept: torch.Tensor) -> None:
         rows = self._host_row_stats(batch)
         n = len(rows["advantages"])
-        self._add_totals(
+        self._add_generated(
             n, len(torch.unique(kept)), float(rows["rollout_lengths"].sum()), float(rows["generated_tokens"].sum())
         )
         metrics = self._metrics["train"]

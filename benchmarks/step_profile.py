@@ -234,7 +234,7 @@ def instrument(trainer, profiler: PhaseProfiler):
 
         def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, *args, **kwargs):
             # the policy pass (counted in compute_loss), or a pass the cost-aware trainer defers (a placeholder)
-            if torch.is_grad_enabled() or getattr(self, "_deferring", False):
+            if torch.is_grad_enabled() or getattr(getattr(self, "_cost_aware", None), "deferring", False):
                 return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)
             with profiler.phase("old/ref log-probs", tokens=_real_tokens(attention_mask)):
                 return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, *args, **kwargs)

