@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any
 
 from .times_table import A_RANGE, B_RANGE, make_times_table_reward, times_table_reward
 
