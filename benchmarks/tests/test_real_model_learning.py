@@ -257,3 +257,17 @@ def test_smoke_new_arms_run_at_their_shapes(tmp_path):
         assert row["cpu_s"] > 0 and row["load"] >= 0, arm
         assert _run(res, arm)["cores"], arm
     assert rml.arm_shape("grpo_8x4")["generations"] == 4 and rml.arm_shape("grpo_8x4", smoke=True)["generations"] == 2
+
+
+def test_smoke_passage_task_logs_what_the_draw_keeps(tmp_path):
+    """--task passage_table trains and evaluates on the passage task (one note per passage for the tiny model) in
+    folders of its own, and logs per generation batch every row's prompt tokens and the kept rows."""
+    out, res = str(tmp_path / "out"), str(tmp_path / "res")
+    rml.main(["--smoke", "--task", "passage_table", "--out", out, "--results", res, "--seeds", "0", "--no-analyse",
+              "--arms", "loss_aware_0.5", "--steps", "1"])  # fmt: skip
+    run = _run(res, "loss_aware_0.5")
+    assert run["task"] == "passage_table" and run["groups"][0]["notes"] == 1
+    (draw,) = run["draws"]
+    assert len(draw["prompt_tokens"]) == 8 and 0 < len(draw["kept"]) < 8
+    assert min(draw["prompt_tokens"]) > 100  # the passage's characters, not a times-table question's
+    assert rml.task_dirs("passage_table")[1].endswith("real_model_learning_passage_table")
