@@ -778,3 +778,47 @@ def test_counters_equal_the_tokens_trained_up_to_each_logged_step(tmp_path, tiny
 def test_model_card_cites_the_cost_aware_paper():
     assert CostAwareGRPOTrainer._paper["id"] == "2604.28020" != GRPOTrainer._paper["id"]
     assert "Cost-Aware Learning" in CostAwareGRPOTrainer._paper["citation"]
+
+
+def test_the_trainers_own_state_is_one_attribute(tmp_path, tiny_model_path, dataset):
+    """Beyond `GRPOTrainer`'s attributes the trainer adds exactly one, `_cost_aware` (before: six scattered names,
+    any of which a future TRL attribute could shadow)."""
+    ours = make_trainer(tiny_model_path, tmp_path / "a", dataset=dataset)
+    base = make_trainer(tiny_model_path, tmp_path / "b", dataset=dataset, cls=GRPOTrainer)
+    assert set(vars(ours)) - set(vars(base)) == {"_cost_aware"}
+
+
+def test_micro_steps_are_found_by_position_not_by_tensor(tmp_path, tiny_model_path, dataset):
+    """A subclass whose `_prepare_inputs` hands on copies of the micro-batch's tensors still gets each micro-step's
+    `MicroStep` (before: a lookup by tensor identity missed them, so the packed metrics went unweighted and no-op
+    micro-steps ran TRL's loss)."""
+
+    class Copying(CostAwareGRPOTrainer):
+        def _prepare_inputs(self, generation_batch):
+            inputs = super()._prepare_inputs(generation_batch)
+            return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+    trainer = make_trainer(
+        tiny_model_path,
+        tmp_path,
+        cls=Copying,
+        dataset=dataset,
+        max_steps=1,
+        steps_per_generation=4,
+        gradient_accumulation_steps=4,
+        per_device_train_batch_size=4,
+        max_completion_length=8,
+    )
+    seen = []
+    original = trainer._token_weighted_metrics
+
+    def record():
+        seen.append(list(trainer._cost_aware.metric_weights))
+        original()
+
+    trainer._token_weighted_metrics = record
+    trainer.train()
+    steps = trainer._cost_aware.generation.micro_steps
+    real = [step for step in steps if not step.noop]
+    assert trainer._cost_aware.layout == "packed" and len(real) < len(steps)  # the draw left no-op positions
+    assert len(seen[0]) == len(real)  # every real micro-step's weights, found by position
