@@ -208,9 +208,13 @@ def frontier(runs: dict, curves: dict, target: float, shares: list[float], alpha
                     cost = price(cross, ref, rows_per_step(run), rows_per_step(runs[(BASELINE, seed)]), share, alpha)
                     by_seed[seed] = None if cost is None else cost / ref["step"]
                 table[arm] = by_seed
-            means = {a: interval(list(v.values()))["mean"] for a, v in table.items()}
-            grpo = [a for a in GRPO_ARMS if means.get(a) is not None]
-            best = min(grpo, key=lambda a: means[a]) if grpo else None
+            # GRPO's best batch: the least mean ratio over the seeds every GRPO arm has reached the target in
+            grpo = [a for a in GRPO_ARMS if a in table]
+            common = (
+                set.intersection(*({s for s, v in table[a].items() if v is not None} for a in grpo)) if grpo else set()
+            )
+            means = {a: sum(table[a][s] for s in common) / len(common) for a in grpo} if common else {}
+            best = min(means, key=means.get) if means else None
             rows = {}
             for arm, by_seed in table.items():
                 vs_best = []
@@ -223,10 +227,11 @@ def frontier(runs: dict, curves: dict, target: float, shares: list[float], alpha
     return out
 
 
-def break_even_alpha(runs: dict, curves: dict, target: float, share: float, a: str, b: str) -> float | None:
-    """The α in [0, 1] at which arms `a` and `b` cost the same (mean ratio to GRPO over their common seeds) at
-    generation share `share`, by bisection on the sign of the difference; None when one is cheaper at every α or
-    an arm is missing."""
+def break_even_alpha(runs: dict, curves: dict, target: float, share: float, a: str, b: str) -> dict | None:
+    """Where arms `a` and `b` cost the same (mean ratio to GRPO over their common seeds) at generation share `share`:
+    ``{"alpha": α in [0, 1] by bisection on the sign of the difference, or None when one is cheaper at every α,
+    "cheaper_below": the arm that costs less below that α (at every α when there is none)}``; None when an arm is
+    missing."""
 
     def gap(alpha):
         t = frontier({k: v for k, v in runs.items() if k[0] in (a, b, BASELINE)}, curves, target, [share], [alpha])
@@ -239,8 +244,11 @@ def break_even_alpha(runs: dict, curves: dict, target: float, share: float, a: s
         return sum(row[a]["by_seed"][s] - row[b]["by_seed"][s] for s in seeds) / len(seeds)
 
     lo, hi = gap(0.0), gap(1.0)
-    if lo is None or hi is None or lo * hi > 0:
+    if lo is None or hi is None:
         return None
+    cheaper = a if lo < 0 else b
+    if lo * hi > 0:
+        return {"alpha": None, "cheaper_below": cheaper}
     x0, x1 = 0.0, 1.0
     for _ in range(30):
         mid = (x0 + x1) / 2
@@ -249,7 +257,7 @@ def break_even_alpha(runs: dict, curves: dict, target: float, share: float, a: s
             x0 = mid
         else:
             x1 = mid
-    return (x0 + x1) / 2
+    return {"alpha": (x0 + x1) / 2, "cheaper_below": cheaper}
 
 
 # ================================================================================================= generation side
@@ -664,10 +672,23 @@ def frontier_report(s: dict) -> list[str]:
     be = s.get("break_even_alpha", {})
     if be:
         lines.append("")
-        cells = ", ".join(f"s {k}: {'—' if v is None else f'{v:.2f}'}" for k, v in be.items())
-        lines.append(f"α at which {ROW_STAGE} and {SMALLER_BATCH} cost the same (mean over common seeds): {cells}")
-        lines.append("(—: one of them is cheaper at every α in [0, 1], or a run is missing).")
+        lines.append(
+            f"Where {ROW_STAGE} and {SMALLER_BATCH} cost the same (mean over common seeds): " + _break_even(be)
+        )
     return lines
+
+
+def _break_even(be: dict) -> str:
+    """The break-even α by generation share, in words."""
+    cells = []
+    for share, v in be.items():
+        if v is None:
+            cells.append(f"s {share}: a run missing")
+        elif v["alpha"] is None:
+            cells.append(f"s {share}: {v['cheaper_below']} cheaper at every α")
+        else:
+            cells.append(f"s {share}: α = {v['alpha']:.2f} ({v['cheaper_below']} cheaper below)")
+    return "; ".join(cells)
 
 
 def plot_frontier(s: dict, path: str) -> None:
@@ -702,10 +723,8 @@ def plot_frontier(s: dict, path: str) -> None:
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"compute to {TARGET_FRACTIONS[0]:.0%} of GRPO's gain / GRPO 8x8's")
     axes[0].legend(fontsize=7)
-    be = s.get("break_even_alpha", {})
-    cells = ", ".join(f"s {k}: {'none in [0, 1]' if v is None else f'{v:.2f}'}" for k, v in be.items())
-    fig.suptitle(f"When the row stage pays (dashed: GRPO at its batches). Break-even α, {ROW_STAGE} vs "
-                 f"{SMALLER_BATCH}: {cells}", fontsize=9)  # fmt: skip
+    fig.suptitle(f"When the row stage pays (dashed: GRPO at its batches). {ROW_STAGE} vs {SMALLER_BATCH}: "
+                 + _break_even(s.get("break_even_alpha", {})), fontsize=9)  # fmt: skip
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

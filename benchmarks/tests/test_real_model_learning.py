@@ -231,8 +231,9 @@ def test_frontier_prices_by_generation_share_and_alpha():
     assert zero["arms"]["loss_aware_0.5"]["vs_best_grpo"]["mean"] == pytest.approx(6.975 / 7.75, rel=1e-3)
     # α = 1 is the per-token pricing of the targets table, calibrated on GRPO's steps up to the target
     assert s["targets"]["0.8"]["arms"]["grpo_4x8"]["compute_gpu"]["ratio"]["mean"] == pytest.approx(5 / 8, rel=1e-3)
-    assert s["break_even_alpha"]["0.55"] == pytest.approx(0.219, abs=2e-3)
-    assert s["break_even_alpha"]["0.3"] == pytest.approx(1 - math.log2(2.35 / 1.5), abs=2e-3)
+    assert s["break_even_alpha"]["0.55"]["alpha"] == pytest.approx(0.219, abs=2e-3)
+    assert s["break_even_alpha"]["0.55"]["cheaper_below"] == "loss_aware_0.5"  # generation nearly fixed: the row stage
+    assert s["break_even_alpha"]["0.3"]["alpha"] == pytest.approx(1 - math.log2(2.35 / 1.5), abs=2e-3)
     assert "## The frontier" in rmla.report(s)
 
 
