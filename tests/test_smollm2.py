@@ -306,37 +306,34 @@ def test_make_times_table_reward_scores_a_cut_off_reply_zero():
 
 
 # ------------------------------------------------------------------------------------------------ the passage task
-def test_passage_table_dataset_is_deterministic_and_has_one_answer():
-    from trl_costaware.embedded.passage_table import KEY, NOTES_RANGE, passage_table_dataset
+def test_passage_table_dataset_is_deterministic():
+    from trl_costaware.embedded.passage_table import NOTES_RANGE, passage_table_dataset
 
     ds = passage_table_dataset(300, seed=5)
     assert len(ds) == 300 and ds[7] == passage_table_dataset(300, seed=5)[7] != passage_table_dataset(300, seed=6)[7]
-    assert set(ds.column_names) == {"prompt", "answer", "solution", "a", "b", "notes", "key_position"}
+    assert set(ds.column_names) == {"prompt", "answer", "solution", "a", "b", "notes"}
     for row in ds:
         text = row["prompt"][0]["content"]
-        notes = [line[2:] for line in text.split("\n") if line.startswith("- ")]
+        assert text.startswith("Read the notes, then answer the question.\n\nNotes:\n- ")
+        notes = [line for line in text.split("\n") if line.startswith("- ")]
         assert len(notes) == row["notes"] and NOTES_RANGE[0] <= row["notes"] <= NOTES_RANGE[1]
-        question = text.rsplit("Question: How many ", 1)[1]
-        goods, name = question.split(" did ")[0], question.split(" did ")[1].split(" pack")[0]
-        key = KEY.format(name=name, a=row["a"], b=row["b"], goods=goods)
-        assert notes[row["key_position"]] == key[0].upper() + key[1:]
-        assert sum(f" {goods} " in f" {note} " for note in notes) == 1  # only the key note names the goods
+        assert text.endswith(f"Question: What is {row['a']} times {row['b']}? End your reply with the final number.")
         assert row["answer"] == str(row["a"] * row["b"]) and 2 <= row["a"] <= 9 and 2 <= row["b"] <= 12
-        assert text.endswith("End your reply with the final number.")
     counts = [row["notes"] for row in ds]
     assert min(counts) == 1 and max(counts) >= 25  # log-uniform: short and long passages both common
     assert sum(c <= 3 for c in counts) > 50 and sum(c >= 15 for c in counts) > 50
-    assert len({r["key_position"] for r in ds if r["notes"] > 20}) > 10  # the key is anywhere
     assert isinstance(passage_table_dataset(2, conversational=False)[0]["prompt"], str)
     assert len(passage_table_dataset(0)) == 0
+    with pytest.raises(ValueError, match="notes_range"):
+        passage_table_dataset(1, notes_range=(3, 2))
 
 
 def test_passage_table_reward_edge_cases():
-    """The times-table parse of the final number: a number copied from a distractor, a reply that ends in words, an
+    """The times-table parse of the final number: a number copied from a note, a reply that ends in words, an
     ambiguous number and a cut-off reply score 0."""
     from trl_costaware.embedded.passage_table import make_passage_table_reward, passage_table_reward
 
-    replies = ["Omar packed 7 crates of 8: 7 times 8 is 56.", "He packed 24.", "56 pears in all", "5,6", "**56**"]
+    replies = ["7 times 8 is 56.", "Omar packed 24.", "56 pears in all", "5,6", "**56**"]
     assert passage_table_reward(replies, ["56"] * 5) == [1.0, 0.0, 0.0, 0.0, 1.0]
     finished = make_passage_table_reward([2])
     assert finished(["56", "56"], ["56", "56"], completion_ids=[[9, 2], [9, 9]]) == [1.0, 0.0]
