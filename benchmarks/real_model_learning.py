@@ -20,8 +20,8 @@ Arms (`ARMS`, every field explicit): ``grpo`` (``cost_aware=False``) and the row
 another batch (`SHAPES`: ``grpo_4x8``, ``grpo_8x4``) or dropping only the rows without gradient (``filter_only``);
 and generating more to keep a subset (``loss_aware_0.25_8x16``).
 
-Tasks (`TASKS`): times tables (prompts of about 40 tokens) and the passage task (the same question behind 1 to 34
-notes, about 80 to 700 tokens: `trl_costaware.embedded.passage_table`).
+Tasks (`TASKS`): times tables (prompts of about 40 tokens) and the passage task (the same question behind 1 to 38
+notes, about 75 to 800 tokens: `trl_costaware.embedded.passage_table`).
 
 Held-out score (`evaluate`): `EVAL_N` fixed problems (seed `EVAL_SEED`, drawn from the task's 88 problems, so they
 are problems the runs also train on: the score measures the trained distribution, not transfer), `EVAL_SAMPLES`
@@ -61,7 +61,7 @@ from real_model_learning_analysis import RESULTS_DIR, analyse  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "outputs", "bench", "real_model_learning")
 # The tasks (`trl_costaware.embedded`), rewarded alike (the final number against a·b, 0 when cut off by the cap):
-# times tables (prompts of about 40 tokens) and the same question behind a passage of notes (about 80 to 700). A task
+# times tables (prompts of about 40 tokens) and the same question behind a passage of notes (about 75 to 800). A task
 # other than the first keeps its runs and analysis in folders of its own (`task_dirs`).
 TASK = "times_table"
 TASKS = {

@@ -7,7 +7,7 @@
 The passage is a list of notes from a market day, built from templates with names, goods, places and numbers (people
 packing crates, opening hours, prices, weather), none of them about the question: the reply has to ignore them and
 their numbers. The number of notes is drawn log-uniformly from `NOTES_RANGE`, so prompt lengths spread over more than
-a factor of 10 (about 80 to 700 tokens for SmolLM2's chat template and tokenizer). a is uniform on 2..9 and b on
+a factor of 10 (about 75 to 800 tokens with SmolLM2's chat template and tokenizer). a is uniform on 2..9 and b on
 2..12, as in `times_table`; the reward is the same exact parse of the final number (`times_table.final_number`), 0
 for a reply cut off by the length cap with `make_passage_table_reward`. Deterministic given the seed.
 
@@ -25,7 +25,7 @@ from .times_table import A_RANGE, B_RANGE, make_times_table_reward, times_table_
 
 INSTRUCTION = "Read the notes, then answer the question."
 QUESTION = "What is {a} times {b}? End your reply with the final number."
-NOTES_RANGE = (1, 34)  # notes per passage: drawn log-uniformly
+NOTES_RANGE = (1, 38)  # notes per passage: drawn log-uniformly
 NAMES = (
     "Omar", "Lena", "Ravi", "Mara", "Tomas", "Ines", "Kofi", "Yuki", "Pavel", "Sara", "Diego", "Amina", "Jonas",
     "Priya", "Felix", "Noor", "Hugo", "Zara", "Ivan", "Lucia", "Emeka", "Hana", "Oskar", "Rosa",
