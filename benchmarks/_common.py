@@ -36,6 +36,16 @@ ENV = {
 }
 
 
+def free_port() -> int:
+    """A TCP port free on this machine now: for a process that sets up a (world-size-1) process group, so that it does
+    not wait on accelerate's default 29500, which another run on the machine may hold."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ==================================================================================================== testbed arms
 # An arm is plain data: the trainer kind and CostAwareGRPOConfig fields on top of the testbed recipe.
 #   trainer: "grpo" (CostAwareGRPOTrainer, cost_aware=False), "cost_aware", "zero_adv_filter", "max_variance"

@@ -194,20 +194,14 @@ def worker(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------------- parent
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(args, out_dir) -> list[list[dict]]:
     os.makedirs(out_dir, exist_ok=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     env.pop("ACCELERATE_USE_CPU", None)  # it would drop the DeepSpeed plugin (DEVELOPERS.md)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-    port = _free_port()  # not the default 29500: another launch on the machine may hold it
+    from _common import free_port
+
+    port = free_port()  # not the default 29500: another launch on the machine may hold it
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     own = [
         os.path.abspath(__file__),

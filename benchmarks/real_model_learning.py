@@ -56,7 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _common import ENV, checked_names  # noqa: E402
+from _common import ENV, checked_names, free_port  # noqa: E402
 from real_model_learning_analysis import RESULTS_DIR, analyse  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "outputs", "bench", "real_model_learning")
@@ -594,8 +594,11 @@ def drive(
                 log = os.path.join(out, "runs", name + ".log")
                 os.makedirs(os.path.dirname(log), exist_ok=True)
                 print(f"[{time.strftime('%H:%M:%S')}] {name}: start (log {log})", flush=True)
+                # accelerate sets up a world-size-1 process group on the CPU at MASTER_PORT (default 29500): a port of
+                # the run's own, so that runs side by side (two drivers, tests in parallel) do not collide
+                env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **os.environ, **ENV}
                 with open(log, "a", encoding="utf-8") as fh:
-                    rc = subprocess.run(cmd, env={**os.environ, **ENV}, stdout=fh, stderr=subprocess.STDOUT).returncode
+                    rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
                 print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {rc}", flush=True)
                 if rc != 0:
                     raise SystemExit(f"{name} failed (exit {rc}); see {log}")
