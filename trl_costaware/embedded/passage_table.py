@@ -21,10 +21,9 @@ from __future__ import annotations
 import math
 import random
 
-from .times_table import A_RANGE, B_RANGE, make_times_table_reward, times_table_reward
+from .times_table import A_RANGE, B_RANGE, make_problem, make_times_table_reward, times_table_reward
 
 INSTRUCTION = "Read the notes, then answer the question."
-QUESTION = "What is {a} times {b}? End your reply with the final number."
 NOTES_RANGE = (1, 38)  # notes per passage: drawn log-uniformly
 NAMES = (
     "Omar", "Lena", "Ravi", "Mara", "Tomas", "Ines", "Kofi", "Yuki", "Pavel", "Sara", "Diego", "Amina", "Jonas",
@@ -70,15 +69,10 @@ def make_passage_problem(rng: random.Random, notes_range: tuple[int, int] = NOTE
         )
         notes.append(note[0].upper() + note[1:])
     passage = "\n".join(f"- {note}" for note in notes)
-    text = f"{INSTRUCTION}\n\nNotes:\n{passage}\n\nQuestion: {QUESTION.format(a=a, b=b)}"
-    return {
-        "prompt": [{"role": "user", "content": text}] if conversational else text,
-        "answer": str(a * b),
-        "solution": f"{a} times {b} is {a * b}.",
-        "a": a,
-        "b": b,
-        "notes": len(notes),
-    }
+    problem = make_problem(a, b, conversational=False)  # the times-table question, answer and solution
+    text = f"{INSTRUCTION}\n\nNotes:\n{passage}\n\nQuestion: {problem['prompt']}"
+    problem.update(prompt=[{"role": "user", "content": text}] if conversational else text, notes=len(notes))
+    return problem
 
 
 def passage_table_dataset(
