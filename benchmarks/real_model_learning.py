@@ -594,9 +594,10 @@ def drive(
                 log = os.path.join(out, "runs", name + ".log")
                 os.makedirs(os.path.dirname(log), exist_ok=True)
                 print(f"[{time.strftime('%H:%M:%S')}] {name}: start (log {log})", flush=True)
-                # accelerate sets up a world-size-1 process group on the CPU at MASTER_PORT (default 29500): a port of
-                # the run's own, so that runs side by side (two drivers, tests in parallel) do not collide
-                env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **os.environ, **ENV}
+                # accelerate sets up a world-size-1 process group on the CPU at MASTER_PORT (it writes 29500 into the
+                # environment of a process that trains in-process): a port of the run's own, whatever the environment
+                # holds, so that runs side by side (two drivers, tests in parallel) do not collide
+                env = {**os.environ, **ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
                 with open(log, "a", encoding="utf-8") as fh:
                     rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT).returncode
                 print(f"[{time.strftime('%H:%M:%S')}] {name}: exit {rc}", flush=True)
