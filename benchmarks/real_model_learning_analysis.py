@@ -390,11 +390,10 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
                         ref = at_target(curves[(BASELINE, seed)], target) if (BASELINE, seed) in curves else None
                         cross = at_target(curves[(arm, seed)], target)
                         share = SPLIT_TABLE[x[len("compute_") :]].generation
-                        rows, ref_rows = (
-                            rows_per_step(runs[(arm, seed)]),
-                            rows_per_step(runs.get((BASELINE, seed), {})),
-                        )
-                        c = None if ref is None or cross is None else price(cross, ref, rows, ref_rows, share, 1.0)
+                        c = None
+                        if ref is not None and cross is not None:  # a GRPO run of this seed, both at the target
+                            rows, ref_rows = rows_per_step(runs[(arm, seed)]), rows_per_step(runs[(BASELINE, seed)])
+                            c = price(cross, ref, rows, ref_rows, share, 1.0)
                         b = None if ref is None else ref["step"]
                     else:
                         c = cost_to(curves[(arm, seed)], target, x)

@@ -9,11 +9,8 @@ packing crates, opening hours, prices, weather), none of them about the question
 their numbers. The number of notes is drawn log-uniformly from `NOTES_RANGE`, so prompt lengths spread over more than
 a factor of 10 (about 75 to 800 tokens with SmolLM2's chat template and tokenizer). a is uniform on 2..9 and b on
 2..12, as in `times_table`; the reward is the same exact parse of the final number (`times_table.final_number`), 0
-for a reply cut off by the length cap with `make_passage_table_reward`. Deterministic given the seed.
-
-Why not a question about the passage: SmolLM2-135M-Instruct answers almost none of them (greedy 0.01 on 96 problems
-asking for the product of two numbers given in one note; it restates the note), so GRPO would have nothing to learn
-from; behind these notes the times-table question keeps the model's skill (greedy 0.78, T = 1 0.11 on 64 problems).
+for a reply cut off by the length cap with `make_passage_table_reward`. Deterministic given the seed. Why the question
+does not ask about the notes themselves: docs/embedded.md.
 """
 
 from __future__ import annotations

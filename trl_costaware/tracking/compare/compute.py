@@ -26,16 +26,16 @@ ratio** ``1 / c(f)`` times the baseline's.
 
 How generation scales with the batch. The weights above price generation per generated token, as if generation time
 grew in proportion to the rows generated. On an accelerator it does not: decoding is memory-bound, so a step of the
-decode loop costs about ``B^α`` for ``B`` rows until the device saturates. With ``α`` (`generation_alpha`), a run
-that generates ``B`` rows per step against the baseline's ``B_base`` pays
+decode loop costs about ``B^α`` for ``B`` rows until the device saturates. With ``α`` (`generation_alpha`), a run that
+generates ``B`` rows per step against the baseline's ``B_base`` pays
 
     w_gen · G_run · (B / B_base)^(α − 1)
 
 for its generation: time ∝ (mean generated tokens per row) · B^α. ``α = 1`` (compute-bound) is the per-token price
-above; ``α = 0`` prices a step's generation as fixed, whatever its batch, at the same completion lengths; the
-published curve of PODS (arXiv 2504.13818: one L40S, a 3B model, 16 → 64 → 256 rollouts in about 3.0 → 4.0 → 8.5 s)
-fits ``α ≈ 0.38`` (`PUBLISHED_ALPHA`). The update and the old/reference passes stay priced per token (compute-bound
-for models of about 0.5B parameters and up). ``α`` matters only between runs that generate different rows per step.
+above; ``α = 0`` prices a step's generation as fixed, whatever its batch, at the same completion lengths;
+`PUBLISHED_ALPHA` is `fitted_alpha` of PODS' published generation times (arXiv 2504.13818; docs/tracking.md). The
+update and the old/reference passes stay priced per token (compute-bound for models of about 0.5B parameters and up).
+``α`` matters only between runs that generate different rows per step.
 
 From measured wall time instead (a run's update phase share ``u`` = (training step − generation and scoring) /
 training step): with the same generation work per step, the arm's step costs ``(1 − u_base) / (1 − u_arm)`` of the
@@ -80,8 +80,7 @@ GPU_VERL = Split(0.55, 0.19, 0.26, "gpu", "verl Qwen3-8B GRPO step: generation 5
 _REST = 0.23 / 0.45
 GPU_GEN77 = Split(0.77, 0.19 * _REST, 0.26 * _REST, "gpu_gen77", "generation 77% (published upper end), rest as verl")
 SPLITS = {s.name: s for s in (GPU_VERL, GPU_GEN77)}
-# The batch exponent of generation time fitted to PODS' published curve (16, 64, 256 rollouts: 3.0, 4.0, 8.5 s;
-# least squares on the logs; 0.21 from 16 to 64, 0.54 from 64 to 256).
+# The batch exponent of generation time: `fitted_alpha` of PODS' published generation times (docs/tracking.md).
 PUBLISHED_ALPHA = 0.38
 
 

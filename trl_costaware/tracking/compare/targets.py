@@ -132,33 +132,38 @@ def _number(value) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _rows_per_step(row: dict) -> float | None:
+    """Rows generated per step up to this row (None without the counter or a step)."""
+    rows, step = row.get(ROWS_KEY), row.get("step")
+    return rows / step if _number(rows) and _number(step) and step > 0 and rows > 0 else None
+
+
 def add_compute(
     runs: list[RunHistory], baseline: list[RunHistory], split: Split, alpha: float = 1.0
 ) -> TokenWeights | None:
     """Give every row with both token counters a derived compute (`COMPUTE_KEY`, in baseline-step units):
     w_gen · generated tokens · (B / B_base)^(α − 1) + w_pol · policy tokens, the weights calibrated on the baseline
     runs' mean tokens (and rows, B) per step (`compute.token_weights`). None (and no compute) when a baseline run
-    lacks the counters or the step; with α ≠ 1 a row also needs the rows-generated counter."""
-    keys = (GEN_KEY, POLICY_KEY, "step") + ((ROWS_KEY,) if alpha != 1.0 else ())
+    lacks the counters or the step; with α ≠ 1 a row also needs the rows-generated counter and its step."""
     gen, pol, rows = [], [], []
     for run in baseline:
-        last = [r for r in run.rows if all(_number(r.get(k)) for k in keys) and r["step"] > 0]
+        last = [r for r in run.rows if all(_number(r.get(k)) for k in (GEN_KEY, POLICY_KEY, "step")) and r["step"] > 0]
+        if alpha != 1.0:
+            last = [r for r in last if _rows_per_step(r)]
         if not last:
             return None
         gen.append(last[-1][GEN_KEY] / last[-1]["step"])
         pol.append(last[-1][POLICY_KEY] / last[-1]["step"])
-        rows.append(last[-1][ROWS_KEY] / last[-1]["step"] if alpha != 1.0 else 0.0)
-    if min(gen) <= 0 or min(pol) <= 0 or (alpha != 1.0 and min(rows) <= 0):
+        rows.append(_rows_per_step(last[-1]))
+    if min(gen) <= 0 or min(pol) <= 0:
         return None
-    weights = token_weights(split, float(np.mean(gen)), float(np.mean(pol)), alpha, float(np.mean(rows)) or None)
+    base_rows = float(np.mean(rows)) if alpha != 1.0 else None
+    weights = token_weights(split, float(np.mean(gen)), float(np.mean(pol)), alpha, base_rows)
     for run in runs:
         for row in run.rows:
-            if not all(_number(row.get(k)) for k in keys) or (alpha != 1.0 and not row["step"] > 0):
-                continue
-            per_step = row[ROWS_KEY] / row["step"] if alpha != 1.0 else None
-            if alpha != 1.0 and not per_step:
-                continue
-            row[COMPUTE_KEY] = weights.compute(row[GEN_KEY], row[POLICY_KEY], per_step)
+            per_step = _rows_per_step(row)
+            if _number(row.get(GEN_KEY)) and _number(row.get(POLICY_KEY)) and (alpha == 1.0 or per_step):
+                row[COMPUTE_KEY] = weights.compute(row[GEN_KEY], row[POLICY_KEY], per_step)
     return weights
 
 
