@@ -92,6 +92,18 @@ class CostAwareGRPOConfig(GRPOConfig):
             floored at 0 (the mean over the kept rows of all ranks, w̄₀ its expectation under the design): the same
             gradient scale with less spread, biased by O(1/m).
 
+        > Parameters that control the update's forward passes
+
+        shared_prompt_forward (`bool`, *optional*, defaults to `False`):
+            Run the rows of a micro-batch that repeat one prompt (a GRPO group) with that prompt once, in the policy,
+            old-policy and reference passes: one sequence per group, a 4D attention mask and position ids that give
+            every token exactly the context and position of its own row, so log-probs and gradients equal the
+            unshared passes' to floating-point rounding; rows are grouped by prompt within each optimizer step where
+            that leaves the step's gradient unchanged. Applies with `cost_aware=False` too. Refused at construction
+            where it cannot be exact (an attention implementation other than `"sdpa"`/`"eager"`, sliding-window
+            attention, a multimodal model, a router aux loss, PEFT prompt learning); a micro-batch it cannot lay out
+            (a completion mask with a hole, right-padded prompts) runs unshared, with a warning.
+
         > Parameters that control tracking
 
         cost_aware_run_group (`str` or `None`, *optional*, defaults to `None`):
@@ -149,6 +161,15 @@ class CostAwareGRPOConfig(GRPOConfig):
             "choices": list(WEIGHT_NORMALIZATIONS),
         },
     )
+    shared_prompt_forward: bool = field(
+        default=False,
+        metadata={
+            "help": "Run the rows of a micro-batch that share a prompt with that prompt once (policy, old-policy and "
+            "reference passes; a 4D mask and per-row position ids: the same log-probs and gradients). Works with "
+            "cost_aware=False. Refused where it cannot be exact (attention other than sdpa/eager, sliding window, "
+            "multimodal, router aux loss, PEFT prompt learning)."
+        },
+    )
     cost_aware_run_group: str | None = field(
         default=None,
         metadata={
@@ -159,6 +180,8 @@ class CostAwareGRPOConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        if not isinstance(self.shared_prompt_forward, bool):
+            raise ValueError(f"shared_prompt_forward must be True or False, got {self.shared_prompt_forward!r}")
         fraction = self.cost_aware_kept_fraction
         if not (_number(fraction) and 0.0 < fraction <= 1.0):
             raise ValueError(f"cost_aware_kept_fraction must be a number in (0, 1], got {fraction!r}")

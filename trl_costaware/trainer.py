@@ -20,9 +20,10 @@ from trl.models.utils import disable_gradient_checkpointing
 from trl.trainer.utils import use_adapter
 
 from .config import CostAwareGRPOConfig, resolve_cost_fn
-from .rows.batching import loss_mask, noop_micro_batch, row_lengths, select_rows
+from .rows import shared_prompt
+from .rows.batching import KNOWN_KEYS, loss_mask, noop_micro_batch, row_lengths, select_rows
 from .rows.deferred import DEFERRED_KEYS, VLLM_METRICS, deferred_passes, placeholder_logps, ratio_stats, scoring_window
-from .rows.layout import kept_multiple, layout_for
+from .rows.layout import kept_multiple, layout_for, optimizer_segments
 from .rows.packed import MicroStep, even_buffer, noop_skippable, pack_buffer, token_weighted_means
 from .rows.plan import (
     AcceleratorCollective,
@@ -92,8 +93,8 @@ class CostAwareState:
     that no attribute TRL adds can collide with it: the micro-batch `layout` ("packed" or "even"), the user's cost
     callable (`cost_fn`, None for a built-in kind), the sampler's and grouping's random streams (independent, seeded
     by seed, rank and name), the global cumulative counters (`totals`), the generation batch being trained on, the
-    deferred passes' flag (`rows.deferred.scoring_window`) and the packed micro-batches' metric weights since the
-    last train `log`."""
+    deferred passes' flag (`rows.deferred.scoring_window`), the packed micro-batches' metric weights since the
+    last train `log`, and the reasons the shared-prompt forward fell back (each warned once)."""
 
     layout: str
     cost_fn: Callable | None
@@ -105,6 +106,7 @@ class CostAwareState:
     generation: GenerationBatch | None = None
     deferring: bool | None = None
     metric_weights: list[tuple[float, float]] = field(default_factory=list)
+    shared_fallbacks: set[str] = field(default_factory=set)
 
 
 def text_only_processing_class(model, processing_class, args):
@@ -212,6 +214,24 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         attach_tracking(self)  # local metrics record; W&B group and token x-axis (before TRL's WandbCallback)
         if args.cost_aware and isinstance(self.processing_class, ProcessorMixin):  # a model instance: TRL loaded it
             raise NotImplementedError(MULTIMODAL_REFUSAL)
+        if args.shared_prompt_forward:
+            self._check_shared_prompt()
+
+    def _check_shared_prompt(self):
+        """Refuses `shared_prompt_forward=True` where it cannot be exact (`shared_prompt.refusal`), for the policy
+        and the reference model."""
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        peft_config = getattr(unwrapped, "active_peft_config", None)
+        multimodal = isinstance(self.processing_class, ProcessorMixin)
+        aux_loss = bool(getattr(self, "aux_loss_enabled", False))
+        for model in (unwrapped, self.ref_model):
+            if model is None:
+                continue
+            reason = shared_prompt.refusal(
+                model.config, multimodal, aux_loss, bool(getattr(peft_config, "is_prompt_learning", False))
+            )
+            if reason is not None:
+                raise ValueError(f"shared_prompt_forward=True cannot be exact here: {reason}. Set it to False.")
 
     # ------------------------------------------------------------------ generation batch: sample the rows
     def _generate_and_score_completions(self, inputs):
@@ -249,11 +269,83 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             self._cost_aware.deferring = False
         return super()._calculate_rewards(*args, **kwargs)
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, *a, **k):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **kwargs,
+    ):
         state = getattr(self, "_cost_aware", None)  # TRL's __init__ may call it before ours runs
         if state is not None and state.deferring:
             return placeholder_logps(input_ids, logits_to_keep)
-        return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep, *a, **k)
+        args = (model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss)
+        if state is not None and self.args.shared_prompt_forward:
+            shared = self._shared_prompt_logps(*args, kwargs)
+            if shared is not None:
+                return shared
+        return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+
+    def _shared_prompt_logps(
+        self, model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, kwargs
+    ):
+        """`_get_per_token_logps_and_entropies` with each prompt group's prompt run once (`rows.shared_prompt`):
+        (log-probs, entropies or None, None), or None where the unshared pass must run (nothing shared, or a
+        batch the layout cannot reproduce: warned once per reason). The policy pass logs its token ratio
+        (`cost_aware/shared_prompt_token_ratio`, 1 where it ran unshared). Groups are run in forwards of at most
+        `batch_size` rows (at least one group each), as TRL chunks its rows."""
+        policy_pass = self.model.training and torch.is_grad_enabled()  # one token ratio per micro-step
+        reason = None
+        if compute_aux_loss:
+            reason = "the router aux loss averages over every token"
+        elif any(value is not None for value in kwargs.values()):
+            extra = sorted(k for k, v in kwargs.items() if v is not None)
+            reason = f"the pass has model inputs beyond the text ({extra})"
+        else:
+            reason = shared_prompt.layout_problem(attention_mask, logits_to_keep)
+        if reason is not None and reason not in self._cost_aware.shared_fallbacks:
+            self._cost_aware.shared_fallbacks.add(reason)
+            warnings.warn(f"shared_prompt_forward: running unshared where {reason}.", UserWarning, stacklevel=3)
+        groups = [] if reason is not None else shared_prompt.prompt_groups(input_ids, attention_mask, logits_to_keep)
+        if len(groups) in (0, len(input_ids)):  # a fallback, or no prompt repeats: the unshared pass is the same work
+            if policy_pass:
+                self._metrics["train"]["cost_aware/shared_prompt_token_ratio"].append(1.0)
+            return None
+        config = self.accelerator.unwrap_model(model).config
+        bias_dtype = None if config._attn_implementation == "sdpa" else torch.float32
+        limit = batch_size or len(input_ids)
+        chunks, rows = [[]], 0
+        for group in groups:
+            if chunks[-1] and rows + len(group) > limit:
+                chunks.append([])
+                rows = 0
+            chunks[-1].append(group)
+            rows += len(group)
+        logps = entropies = None
+        tokens = unshared = 0
+        for chunk in chunks:
+            layout = shared_prompt.shared_layout(input_ids, attention_mask, logits_to_keep, chunk)
+            with self.accelerator.autocast():
+                out = model(
+                    input_ids=layout.input_ids,
+                    attention_mask=shared_prompt.attention_bias(layout.allowed, bias_dtype),
+                    position_ids=layout.position_ids,
+                    shift_labels=layout.shift_labels,
+                    fused_lm_head=True,
+                )
+            part = shared_prompt.unshare(out.log_probs, layout)
+            logps = part if logps is None else logps + part
+            if compute_entropy:
+                part = shared_prompt.unshare(out.entropy, layout)
+                entropies = part if entropies is None else entropies + part
+            tokens, unshared = tokens + layout.tokens, unshared + layout.unshared_tokens
+        if policy_pass:
+            self._metrics["train"]["cost_aware/shared_prompt_token_ratio"].append(tokens / max(unshared, 1))
+        return logps, entropies, None
 
     def _row_costs(self, batch) -> torch.Tensor:
         cost_fn = self._cost_aware.cost_fn
@@ -396,6 +488,9 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         plan, kept_batch, generation.kept = generation.plan, generation.kept, None
         plan = plan if plan is not None and plan.totals is not None else None  # None: a row rule of a subclass's own
         host = plan.kept_stats if plan is not None else None
+        if self._regroup_by_prompt(chunks, kept_batch):
+            run = optimizer_segments(self.args.steps_per_generation, self.args.gradient_accumulation_steps)[1]
+            chunks = shared_prompt.group_micro_batches(chunks, run)
         if not self.args.cost_aware:
             laid_out = [(c, MicroStep()) for c in chunks]
         elif kept_batch is not None and self._cost_aware.layout == "packed":
@@ -424,6 +519,19 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         generation.trained = [{k: summed[f"{k}/{p}"] for k in TRAINED_COUNTERS} for p in positions]
         generation.metric_weights = [(summed[f"metric_tokens/{p}"], summed[f"metric_rows/{p}"]) for p in positions]
 
+    def _regroup_by_prompt(self, chunks, kept_batch) -> bool:
+        """Whether TRL's micro-batches are re-split with each prompt's rows together (`shared_prompt_forward`, TRL's
+        split or the even layout, a loss type whose optimizer step does not depend on the split
+        (`REGROUPABLE_LOSSES`), no per-micro-batch entropy term, known batch keys). The packed layout groups its own
+        rows (`pack_buffer`)."""
+        if not self.args.shared_prompt_forward or self.loss_type not in shared_prompt.REGROUPABLE_LOSSES:
+            return False
+        if self._entropy_bonus_enabled or self.top_entropy_quantile < 1.0:
+            return False
+        if self.args.cost_aware and kept_batch is not None and self._cost_aware.layout == "packed":
+            return False
+        return all(key in KNOWN_KEYS for c in chunks for key in c)
+
     def _micro_step_counts(self, chunks, steps) -> dict[str, float]:
         """This rank's counts per micro-step position p, named ``<name>/<p>`` (the same keys on every rank, so the
         ranks' one gather has one shape): `TRAINED_COUNTERS` (real tokens from the layout's host statistics, else
@@ -447,7 +555,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
     def _packed_chunks(self, kept_batch, chunks, host, plan) -> list[tuple[dict, MicroStep]]:
         """`packed.pack_buffer` on this buffer: rows are assigned to optimizer steps in TRL's shuffled order (the
         chunks' kept positions, then the m mod S rows TRL's split left out, the whole order then shuffled with the
-        grouping stream); lengths from the plan's host statistics (a subclass's own draw: one transfer each)."""
+        grouping stream); lengths from the plan's host statistics (a subclass's own draw: one transfer each); with
+        `shared_prompt_forward`, a prompt's rows packed together within each optimizer step."""
         m = len(kept_batch["cost_aware_rows"])
         seen = [i for c in chunks for i in c["cost_aware_rows"]]
         missing = sorted(set(range(m)) - set(seen))
@@ -476,7 +585,17 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             pad_to_multiple_of=self.pad_to_multiple_of,
             widths=widths,
             micro_tokens_full=plan.micro_tokens_full if plan is not None else None,
+            groups=self._prompt_group_ids(kept_batch) if self.args.shared_prompt_forward else None,
         )
+
+    @staticmethod
+    def _prompt_group_ids(batch) -> list[int]:
+        """A prompt group id per row of `batch` (`shared_prompt.prompt_groups`)."""
+        ids = [0] * len(batch["prompt_ids"])
+        for g, rows in enumerate(shared_prompt.prompt_groups(batch["prompt_ids"], batch["prompt_mask"], 0)):
+            for row in rows:
+                ids[row] = g
+        return ids
 
     def _compute_deferred_logps(self, chunk):
         """The old-policy / reference log-probs of one kept micro-batch, computed on the very tensors `_compute_loss`

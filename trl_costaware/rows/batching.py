@@ -56,6 +56,22 @@ def select_rows(batch: dict, indices: torch.Tensor) -> dict:
     return {key: value if key in SCALAR_KEYS else _take(value, indices, host) for key, value in batch.items()}
 
 
+def concat_rows(batches: list[dict]) -> dict:
+    """The rows of `batches` (dicts of the same keys and widths, e.g. TRL's micro-batches of one buffer) in one dict,
+    in order: per-row tensors and lists concatenated, `SCALAR_KEYS` taken from the first; any other key raises."""
+    for batch in batches:
+        check_keys(batch)
+    out = {}
+    for key, value in batches[0].items():
+        if key in SCALAR_KEYS or value is None:
+            out[key] = value
+        elif isinstance(value, list):
+            out[key] = [item for batch in batches for item in batch[key]]
+        else:
+            out[key] = torch.cat([batch[key] for batch in batches])
+    return out
+
+
 def _round_up(width: int, multiple_of: int | None, limit: int) -> int:
     if not multiple_of:
         return width

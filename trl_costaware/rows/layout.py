@@ -47,13 +47,14 @@ def kept_multiple(layout: str, steps_per_generation: int, gradient_accumulation_
     return optimizer_segments(steps_per_generation, gradient_accumulation_steps)[0]
 
 
-def pack_sorted(lengths: Sequence[float], capacity: int) -> list[list[int]]:
+def pack_sorted(lengths: Sequence[float], capacity: int, groups: Sequence[int] | None = None) -> list[list[int]]:
     """The indices of `lengths` in as few micro-batches of at most `capacity` rows as they need, n = ⌈k/capacity⌉:
     rows sorted longest first (stable), cut into contiguous groups of sizes
 
         [k − (n − 1)·capacity, capacity, ..., capacity]
 
-    (the one short group takes the longest rows, so fewer rows are padded to the longest). The sizes depend on k and
+    (the one short group takes the longest rows, so fewer rows are padded to the longest; with `groups`, a prompt
+    group id per row, rows of a group stay together: `_cut_sorted`). The sizes depend on k and
     `capacity` only, never on the lengths: every rank packs the same k rows into micro-batches of the same sizes, which
     TRL's loss needs (it gathers per-row tensors of each micro-batch across ranks). Returns [] for no rows."""
     if capacity < 1:
@@ -63,10 +64,10 @@ def pack_sorted(lengths: Sequence[float], capacity: int) -> list[list[int]]:
         return []
     n = -(-k // capacity)
     first = k - (n - 1) * capacity
-    return _cut_sorted(lengths, [first] + [capacity] * (n - 1))
+    return _cut_sorted(lengths, [first] + [capacity] * (n - 1), groups)
 
 
-def spread_sorted(lengths: Sequence[float], count: int) -> list[list[int]]:
+def spread_sorted(lengths: Sequence[float], count: int, groups: Sequence[int] | None = None) -> list[list[int]]:
     """The indices of `lengths` in n = min(k, count) micro-batches of sizes as equal as possible: rows sorted longest
     first (stable), cut into contiguous groups of sizes [a, ..., a, a + 1, ..., a + 1] (a = ⌊k/n⌋; the k mod n
     groups of a + 1 rows last). For a layout where every micro-step position runs a forward anyway (a no-op still
@@ -80,11 +81,22 @@ def spread_sorted(lengths: Sequence[float], count: int) -> list[list[int]]:
         return []
     n = min(k, count)
     a, extra = divmod(k, n)
-    return _cut_sorted(lengths, [a] * (n - extra) + [a + 1] * extra)
+    return _cut_sorted(lengths, [a] * (n - extra) + [a + 1] * extra, groups)
 
 
-def _cut_sorted(lengths: Sequence[float], sizes: Sequence[int]) -> list[list[int]]:
-    order = sorted(range(len(lengths)), key=lambda i: -float(lengths[i]))
+def _cut_sorted(
+    lengths: Sequence[float], sizes: Sequence[int], groups: Sequence[int] | None = None
+) -> list[list[int]]:
+    """Rows sorted longest first (stable), cut into contiguous runs of `sizes`. With `groups` (a prompt group id per
+    row): groups by their longest row, longest first, each group's rows together, longest first (the shared-prompt
+    forward runs a group's prompt once per micro-batch it is in)."""
+    if groups is None:
+        order = sorted(range(len(lengths)), key=lambda i: -float(lengths[i]))
+    else:
+        longest: dict[int, float] = {}
+        for i, g in enumerate(groups):
+            longest[g] = max(longest.get(g, float("-inf")), float(lengths[i]))
+        order = sorted(range(len(lengths)), key=lambda i: (-longest[groups[i]], groups[i], -float(lengths[i])))
     bounds = [0]
     for size in sizes:
         bounds.append(bounds[-1] + size)
@@ -98,6 +110,7 @@ def packed_micro_steps(
     gradient_accumulation_steps: int,
     capacity: int,
     fill: bool = True,
+    groups: Sequence[int] | None = None,
 ) -> list[list[int] | None]:
     """The packed layout of one generation batch: for each of the S micro-step positions, the kept rows it trains on
     (positions into the kept batch), or None for a no-op.
@@ -125,7 +138,8 @@ def packed_micro_steps(
     for s in range(count):
         rows = list(order[s * q : (s + 1) * q])
         run_lengths = [lengths[i] for i in rows]
-        cut = pack_sorted(run_lengths, capacity) if fill else spread_sorted(run_lengths, g)
+        run_groups = None if groups is None else [groups[i] for i in rows]
+        cut = pack_sorted(run_lengths, capacity, run_groups) if fill else spread_sorted(run_lengths, g, run_groups)
         groups = [[rows[i] for i in group] for group in cut]
         steps.extend([None] * (g - len(groups)) + groups)
     return steps

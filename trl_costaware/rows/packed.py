@@ -74,18 +74,22 @@ def pack_buffer(
     pad_to_multiple_of: int | None = None,
     widths: tuple[list[float], list[float]] | None = None,
     micro_tokens_full: float | None = None,
+    groups: list[int] | None = None,
 ) -> list[tuple[dict, MicroStep]]:
     """The packed layout of one generation batch: its S micro-step entries, each (`noop`, `NOOP`) or a real
     micro-batch with its `MicroStep` (β multiplier, and its loss tokens and rows).
 
     `kept_batch` holds the m kept rows; `order` their positions in the order that assigns them to runs (TRL's shuffle);
     `lengths[i]` / `loss_tokens[i]` kept row i's tokens (prompt + completion) and loss tokens; `widths` (prompt,
-    completion) tokens per kept row, to trim each micro-batch without reading the device. Corrections, per
+    completion) tokens per kept row, to trim each micro-batch without reading the device; `groups` a prompt group id
+    per kept row, to keep a group's rows together (`layout.packed_micro_steps`). Corrections, per
     micro-batch of r rows in a run of q rows, g micro-steps and T_run loss tokens: a mean over rows (grpo, sapo,
     dr_grpo, luspo) r·g/q on the advantages and on β; bnpo the even layout's factor T/T̄_full on the advantages
     (`micro_tokens_full`) and T·g/T_run on β; a batch-token loss (dapo, cispo, vespo) nothing."""
     m = len(order)
-    steps = packed_micro_steps(order, lengths, steps_per_generation, gradient_accumulation_steps, capacity, fill)
+    steps = packed_micro_steps(
+        order, lengths, steps_per_generation, gradient_accumulation_steps, capacity, fill, groups
+    )
     count, g = optimizer_segments(steps_per_generation, gradient_accumulation_steps)
     q = m // count
     run_tokens = [sum(loss_tokens[i] for i in order[s * q : (s + 1) * q]) for s in range(count)]

@@ -1,0 +1,223 @@
+"""The shared-prompt layout: the rows of a micro-batch that repeat one prompt, run with that prompt once (pure tensor
+code; docs/layout.md, "Shared prompts").
+
+TRL's log-prob pass feeds B rows [prompt (left-padded, P columns) | completion (right-padded, W columns)] and scores
+the completion tokens. Rows whose prompt columns are identical form a group g = {r_1, ..., r_k}. The group becomes
+one sequence
+
+    [ prompt tokens but the last | p_last, y_1,1 .. y_1,n1 | p_last, y_2,1 .. y_2,n2 | ... ]
+       shared prefix               segment of r_1            segment of r_2
+
+where each segment repeats the prompt's last token (its hidden state predicts the completion's first token, one
+label per position) and holds the row's real completion tokens. Each token keeps the position id of its column in
+the unshared row (its column index, which is what the unshared forward uses), and attends to
+
+    allowed[q, k] = k ≤ q  and  (k in the prefix  or  k in q's segment)
+
+so every query sees exactly the keys it sees in its own unshared row: the same function of the same inputs, hence the
+same log-probs and gradients up to floating-point summation order. A sequence of a group is
+P_real − 1 + Σ_i (1 + n_i) tokens long instead of Σ_i (P_real + n_i); the token ratio of a micro-batch is
+
+    shared / unshared = Σ_g (P_g + Σ_{i in g} (1 + n_i) − 1) / Σ_rows (P_r + n_r).
+
+The layout needs completions that are a prefix of their columns (mask 1…1 0…0) and a real last prompt column in every
+row (left-padded prompts), or it does not apply (`SharedLayout.reason`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .batching import concat_rows, select_rows
+
+IGNORE = -100
+
+
+@dataclass(frozen=True)
+class SharedLayout:
+    """The sequences of `shared_layout` (one per group, padded to the longest), on the input's device:
+
+    - `input_ids`, `position_ids`, `shift_labels` (n, L): the token at each position, its unshared column, the token
+      it predicts (`IGNORE` where none: the prefix, a segment's last token, padding);
+    - `allowed` (n, L, L) bool: query attends key (padding attends to itself only, so no softmax row is empty);
+    - `targets` (K,): for the positions with a label, in row-major order, their flat index r · W + j into the
+      unshared (B, W) per-token output;
+    - `tokens` / `unshared_tokens`: real tokens run shared / in the unshared rows (prompt + completion mask)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    shift_labels: torch.Tensor
+    allowed: torch.Tensor
+    targets: torch.Tensor
+    rows: int
+    width: int
+    tokens: int
+    unshared_tokens: int
+
+
+def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> list[list[int]]:
+    """The rows of the batch grouped by identical prompt columns (ids where the mask is 1, and the mask), groups in
+    order of their first row, rows in batch order."""
+    prompt_len = input_ids.size(1) - logits_to_keep
+    mask = attention_mask[:, :prompt_len].bool().cpu()
+    ids = input_ids[:, :prompt_len].cpu().masked_fill(~mask, -1)
+    groups: dict[bytes, list[int]] = {}
+    for row, key in enumerate(ids.numpy()):
+        groups.setdefault(key.tobytes(), []).append(row)
+    return list(groups.values())
+
+
+def layout_problem(attention_mask: torch.Tensor, logits_to_keep: int) -> str | None:
+    """Why the shared layout cannot reproduce the unshared pass on this batch, or None: it needs a prompt column, a
+    real last prompt column in every row (left padding) and completions whose mask is a prefix of their columns."""
+    prompt_len = attention_mask.size(1) - logits_to_keep
+    if prompt_len < 1 or logits_to_keep < 1:
+        return "the batch has no prompt or no completion columns"
+    mask = attention_mask.bool().cpu()
+    if not mask[:, prompt_len - 1].all():
+        return "a row's last prompt column is padding (prompts are not left-padded)"
+    completion = mask[:, prompt_len:]
+    lengths = completion.sum(-1, keepdim=True)
+    if not torch.equal(completion, torch.arange(logits_to_keep) < lengths):
+        return "a completion mask has a hole (a 0 before a 1)"
+    return None
+
+
+def shared_layout(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, groups: list[list[int]]
+) -> SharedLayout:
+    """The shared-prompt sequences of `groups` (lists of row indices; `prompt_groups`) of a batch for which
+    `layout_problem` is None. Rows outside `groups` get no target (their outputs stay 0)."""
+    rows, total = input_ids.shape
+    prompt_len = total - logits_to_keep
+    mask = attention_mask.bool().cpu()
+    lengths = mask[:, prompt_len:].sum(-1).tolist()
+    sources: list[list[tuple[int, int]]] = []  # per sequence: (row, column) of each position
+    segments: list[list[int]] = []  # per sequence: 0 for the prefix, i + 1 for row i's segment
+    label_of: list[list[tuple[int, int] | None]] = []  # per position: the (row, column) it predicts
+    for group in groups:
+        first = group[0]
+        prefix = [c for c in range(prompt_len - 1) if mask[first, c]]
+        src = [(first, c) for c in prefix]
+        seg = [0] * len(prefix)
+        lab: list[tuple[int, int] | None] = [None] * len(prefix)
+        for i, row in enumerate(group):
+            cols = [prompt_len - 1] + list(range(prompt_len, prompt_len + lengths[row]))
+            src += [(row, c) for c in cols]
+            seg += [i + 1] * len(cols)
+            lab += [(row, c) for c in cols[1:]] + [None]
+        sources.append(src)
+        segments.append(seg)
+        label_of.append(lab)
+    width = max(len(s) for s in sources)
+    n = len(sources)
+    src_rows = torch.zeros(n, width, dtype=torch.long)
+    src_cols = torch.zeros(n, width, dtype=torch.long)
+    seg_ids = torch.full((n, width), -1, dtype=torch.long)
+    lab_rows = torch.zeros(n, width, dtype=torch.long)
+    lab_cols = torch.zeros(n, width, dtype=torch.long)
+    has_label = torch.zeros(n, width, dtype=torch.bool)
+    for s, (src, seg, lab) in enumerate(zip(sources, segments, label_of, strict=True)):
+        length = len(src)
+        src_rows[s, :length] = torch.tensor([r for r, _ in src])
+        src_cols[s, :length] = torch.tensor([c for _, c in src])
+        seg_ids[s, :length] = torch.tensor(seg)
+        for p, target in enumerate(lab):
+            if target is not None:
+                lab_rows[s, p], lab_cols[s, p] = target
+                has_label[s, p] = True
+    device = input_ids.device
+    real = seg_ids >= 0
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same = (seg_ids[:, None, :] == 0) | (seg_ids[:, None, :] == seg_ids[:, :, None])
+    allowed = causal & same & real[:, :, None] & real[:, None, :]
+    allowed |= torch.eye(width, dtype=torch.bool) & ~real[:, :, None]  # padding attends to itself
+    ids = input_ids[src_rows.to(device), src_cols.to(device)].masked_fill(~real.to(device), 0)
+    labels = input_ids[lab_rows.to(device), lab_cols.to(device)].masked_fill(~has_label.to(device), IGNORE)
+    targets = (lab_rows * logits_to_keep + lab_cols - prompt_len)[has_label]
+    return SharedLayout(
+        input_ids=ids,
+        position_ids=src_cols.masked_fill(~real, 0).to(device),
+        shift_labels=labels,
+        allowed=allowed.to(device),
+        targets=targets.to(device),
+        rows=rows,
+        width=logits_to_keep,
+        tokens=int(real.sum()),
+        unshared_tokens=int(mask[[r for g in groups for r in g]].sum()),
+    )
+
+
+def attention_bias(allowed: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """The 4D mask the model takes, (n, 1, L, L): `allowed` itself for SDPA (`dtype` None), else additive (0 where
+    allowed, the dtype's minimum elsewhere) for an implementation that adds the mask to its scores (eager)."""
+    mask = allowed[:, None]
+    if dtype is None:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+
+
+def unshare(per_position: torch.Tensor, layout: SharedLayout) -> torch.Tensor:
+    """A per-position output of the shared sequences (n, L; e.g. the fused head's log-probs) as the unshared pass's
+    per-token output (B, W): each label position's value at its row and completion column, 0 elsewhere.
+    Differentiable in `per_position`."""
+    values = per_position[layout.shift_labels != IGNORE]
+    flat = values.new_zeros(layout.rows * layout.width).index_copy(0, layout.targets, values)
+    return flat.view(layout.rows, layout.width)
+
+
+def token_ratio(prompt_tokens: float, completion_tokens: list[float]) -> float:
+    """The update's token ratio of one group with its prompt shared, (P + Σ_i R_i) / Σ_i (P + R_i) (the last prompt
+    token repeated per segment is left out: one token per row)."""
+    return (prompt_tokens + sum(completion_tokens)) / sum(prompt_tokens + r for r in completion_tokens)
+
+
+SHARED_ATTENTION = ("sdpa", "eager")  # implementations that take a custom 4D mask as given
+# Loss types whose optimizer-step gradient does not depend on which of its equal-sized micro-batches a row is in: a
+# mean over rows, or a sum over a batch-wide token count (bnpo divides by the micro-batch's own tokens).
+REGROUPABLE_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo", "dapo", "cispo", "vespo")
+
+
+def sliding_window_in_use(config) -> bool:
+    """Whether the model attends within a window (the custom mask would not apply it): a layer of type
+    "sliding_attention", or a `sliding_window` size that `use_sliding_window` does not switch off."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return True
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+
+
+def refusal(config, multimodal: bool, aux_loss: bool, prompt_learning: bool) -> str | None:
+    """Why `shared_prompt_forward=True` cannot be exact for this model and setting, or None."""
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in SHARED_ATTENTION:
+        return f"the attention implementation is {attention!r}, not one of {SHARED_ATTENTION} (a custom 4D mask)"
+    if sliding_window_in_use(config):
+        return "the model uses sliding-window attention, which a custom 4D mask does not apply"
+    if multimodal:
+        return "the model is multimodal (its image inputs are per row)"
+    if aux_loss:
+        return "the router aux loss averages over every token of every row"
+    if prompt_learning:
+        return "a PEFT prompt-learning adapter prepends virtual tokens to each row"
+    return None
+
+
+def group_micro_batches(chunks: list[dict], run_length: int) -> list[dict]:
+    """TRL's micro-batches with each run of `run_length` consecutive ones (an optimizer step's share of the buffer)
+    re-split into the same sizes with the rows of each prompt together (`prompt_groups` over the run, groups in order
+    of first appearance). Every per-row entry moves with its row (`batching.select_rows`); widths are the buffer's."""
+    out = []
+    for start in range(0, len(chunks), run_length):
+        run = chunks[start : start + run_length]
+        sizes = [len(c["prompt_ids"]) for c in run]
+        merged = concat_rows(run)
+        groups = prompt_groups(merged["prompt_ids"], merged["prompt_mask"], 0)
+        merged = select_rows(merged, torch.tensor([r for g in groups for r in g]))
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        out += [select_rows(merged, torch.arange(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]
+    return out
