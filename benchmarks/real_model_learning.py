@@ -56,7 +56,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _common import ENV, checked_names, free_port  # noqa: E402
+from _common import ENV, checked_names, free_port, package_commit  # noqa: E402
 from real_model_learning_analysis import RESULTS_DIR, analyse  # noqa: E402
 
 OUT_DIR = os.path.join(ROOT, "outputs", "bench", "real_model_learning")
@@ -157,25 +157,6 @@ def task_dirs(task: str) -> tuple[str, str]:
     if task == "times_table":
         return OUT_DIR, RESULTS_DIR
     return f"{OUT_DIR}_{task}", f"{RESULTS_DIR}_{task}"
-
-
-def package_commit() -> str:
-    """The commit of the code this process runs (its checkout, which may be a pinned worktree), '+dirty' when the
-    package or this script differ from it."""
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "trl_costaware", "benchmarks/real_model_learning.py"],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        return commit + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -452,7 +433,7 @@ def train(
         "model": os.path.basename(model_path.rstrip("/")),
         "task": task,
         "shape": shape,
-        "commit": package_commit(),
+        "commit": package_commit("benchmarks/real_model_learning.py"),
         "cores": sorted(os.sched_getaffinity(0)),
         "resumed_from_step": done_steps,
         "base_eval": base_eval,
@@ -520,7 +501,7 @@ def reevaluate(arm: str, seed: int, out: str, results: str, k: int, smoke: bool 
     result = {
         "run": name,
         "step": step,
-        "commit": package_commit(),
+        "commit": package_commit("benchmarks/real_model_learning.py"),
         "recorded": {"score": final["eval"]["score"], "greedy": final["eval"]["greedy"]},
         "reproduced": (check["score"], check["greedy"]) == (final["eval"]["score"], final["eval"]["greedy"]),
         "seeds": seeds,

@@ -296,8 +296,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         """`_get_per_token_logps_and_entropies` with each prompt group's prompt run once (`rows.shared_prompt`):
         (log-probs, entropies or None, None), or None where the unshared pass must run (nothing shared, or a
         batch the layout cannot reproduce: warned once per reason). The policy pass logs its token ratio
-        (`cost_aware/shared_prompt_token_ratio`, 1 where it ran unshared). Groups are run in forwards of at most
-        `batch_size` rows (at least one group each), as TRL chunks its rows."""
+        (`cost_aware/shared_prompt_token_ratio`, 1 where it ran unshared)."""
         policy_pass = self.model.training and torch.is_grad_enabled()  # one token ratio per micro-step
         reason = None
         if compute_aux_loss:
@@ -317,32 +316,17 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             return None
         config = self.accelerator.unwrap_model(model).config
         bias_dtype = None if config._attn_implementation == "sdpa" else torch.float32
-        limit = batch_size or len(input_ids)
-        chunks, rows = [[]], 0
-        for group in groups:
-            if chunks[-1] and rows + len(group) > limit:
-                chunks.append([])
-                rows = 0
-            chunks[-1].append(group)
-            rows += len(group)
-        logps = entropies = None
-        tokens = unshared = 0
-        for chunk in chunks:
-            layout = shared_prompt.shared_layout(input_ids, attention_mask, logits_to_keep, chunk)
-            with self.accelerator.autocast():
-                out = model(
-                    input_ids=layout.input_ids,
-                    attention_mask=shared_prompt.attention_bias(layout.allowed, bias_dtype),
-                    position_ids=layout.position_ids,
-                    shift_labels=layout.shift_labels,
-                    fused_lm_head=True,
-                )
-            part = shared_prompt.unshare(out.log_probs, layout)
-            logps = part if logps is None else logps + part
-            if compute_entropy:
-                part = shared_prompt.unshare(out.entropy, layout)
-                entropies = part if entropies is None else entropies + part
-            tokens, unshared = tokens + layout.tokens, unshared + layout.unshared_tokens
+        logps, entropies, tokens, unshared = shared_prompt.shared_forward(
+            model,
+            input_ids,
+            attention_mask,
+            logits_to_keep,
+            groups,
+            bias_dtype=bias_dtype,
+            compute_entropy=compute_entropy,
+            batch_size=batch_size,
+            autocast=self.accelerator.autocast,
+        )
         if policy_pass:
             self._metrics["train"]["cost_aware/shared_prompt_token_ratio"].append(tokens / max(unshared, 1))
         return logps, entropies, None

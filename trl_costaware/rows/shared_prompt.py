@@ -26,6 +26,7 @@ row (left-padded prompts), or it does not apply (`SharedLayout.reason`).
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -166,6 +167,52 @@ def unshare(per_position: torch.Tensor, layout: SharedLayout) -> torch.Tensor:
     values = per_position[layout.shift_labels != IGNORE]
     flat = values.new_zeros(layout.rows * layout.width).index_copy(0, layout.targets, values)
     return flat.view(layout.rows, layout.width)
+
+
+def shared_forward(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    logits_to_keep: int,
+    groups: list[list[int]],
+    *,
+    bias_dtype: torch.dtype | None,
+    compute_entropy: bool = False,
+    batch_size: int | None = None,
+    autocast=nullcontext,
+) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
+    """The per-token log-probs (B, W) (and entropies) of the unshared pass, computed with each group's prompt once:
+    `model` carries TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, which scores pre-shifted
+    `shift_labels`); groups run in forwards of at most `batch_size` rows (at least one group each), as TRL chunks its
+    rows; `bias_dtype` as in `attention_bias`; each forward inside `autocast()`. Returns (log-probs, entropies or
+    None, tokens run, tokens the unshared rows hold)."""
+    limit = batch_size or len(input_ids)
+    chunks, rows = [[]], 0
+    for group in groups:
+        if chunks[-1] and rows + len(group) > limit:
+            chunks.append([])
+            rows = 0
+        chunks[-1].append(group)
+        rows += len(group)
+    logps = entropies = None
+    tokens = unshared_tokens = 0
+    for chunk in chunks:
+        layout = shared_layout(input_ids, attention_mask, logits_to_keep, chunk)
+        with autocast():
+            out = model(
+                input_ids=layout.input_ids,
+                attention_mask=attention_bias(layout.allowed, bias_dtype),
+                position_ids=layout.position_ids,
+                shift_labels=layout.shift_labels,
+                fused_lm_head=True,
+            )
+        part = unshare(out.log_probs, layout)
+        logps = part if logps is None else logps + part
+        if compute_entropy:
+            part = unshare(out.entropy, layout)
+            entropies = part if entropies is None else entropies + part
+        tokens, unshared_tokens = tokens + layout.tokens, unshared_tokens + layout.unshared_tokens
+    return logps, entropies, tokens, unshared_tokens
 
 
 def token_ratio(prompt_tokens: float, completion_tokens: list[float]) -> float:
