@@ -490,7 +490,7 @@ def write_results(
 
 # =============================================================================================== compute to target
 # What a run costs to the target, as a user pays it, from the committed runs of this benchmark (issue 26, item 3;
-# `--compute-to-target`, RESULTS.md §1). Per arm and seed,
+# `--compute-to-target`, RESULTS.md §1–3). Per arm and seed,
 # paired with the same seed's GRPO run of the same results file: steps, generated tokens and policy tokens to the
 # target (as `reach` interpolates them), and compute to the target in GRPO-step units
 # (`trl_costaware.tracking.compare.compute`):

@@ -210,13 +210,13 @@ def run_once(root: Path, name: str, cmd: list[str], timeout: int = LAUNCH_TIMEOU
 
 @pytest.fixture(scope="session")
 def launch(tiny_model, tmp_path_factory):
-    """launch(config, lora) -> result; each (config, lora) runs once per session (DDP is shared by the comparisons)."""
+    """launch(config, lora, *worker_flags) -> result; each runs once per session (DDP is shared by the comparisons)."""
     root = session_shared_dir(tmp_path_factory, "distributed_runs")
 
     @cache
-    def _launch(config: str, lora: bool) -> dict:
-        name = f"{config}{'-lora' if lora else ''}"
-        args = ["--model", tiny_model, "--out", str(root / name)] + (["--lora"] if lora else [])
+    def _launch(config: str, lora: bool, *extra: str) -> dict:
+        name = f"{config}{'-lora' if lora else ''}{''.join(extra)}"
+        args = ["--model", tiny_model, "--out", str(root / name)] + (["--lora"] if lora else []) + list(extra)
         cmd = accelerate_cmd(config, "--main_process_port", str(free_port()), str(WORKER), *args)
         return load_result(run_once(root, name, cmd))
 
@@ -398,6 +398,34 @@ def test_zero_matches_ddp(launch, initial_state, config, lora):
     assert [r["zero_stage"] for r in result["records"]] == [EXPECTED[config][1]] * 2
     _check_global_weights(result["records"])
     _check_against_ddp(result, ddp, initial_state, lora)
+
+
+@BACKENDS_GROUP
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "config, lora, plain",
+    [
+        ("multi_gpu", False, True),
+        ("multi_gpu", True, False),
+        pytest.param("zero3", False, False, marks=DEEPSPEED),
+    ],
+    ids=["ddp-grpo", "ddp-lora", "zero3"],
+)
+def test_shared_prompt_matches_unshared(launch, initial_state, config, lora, plain):
+    """shared_prompt_forward=True trains, over two processes, to the weights of the unshared run (DDP), with the same
+    draws: plain GRPO and LoRA under DDP, ZeRO-3."""
+    flags = ("--plain",) if plain else ()
+    reference = launch("multi_gpu", lora, *flags)
+    result = launch(config, lora, "--shared-prompt", *flags)
+    diff = max_diff(result["state"], reference["state"])
+    assert diff <= ATOL, f"weights differ from the unshared DDP run by {diff:.3g} > {ATOL}"
+    ref = reference["state"]
+    moved = max(ref[k].abs().max().item() for k in ref if "lora_B" in k) if lora else max_diff(ref, initial_state)
+    assert moved >= MIN_MOVE  # LoRA's B starts at 0
+    for rec, rec_ref in zip(result["records"], reference["records"], strict=True):
+        assert rec["kept"] == rec_ref["kept"]
+        ratios = [h["cost_aware/shared_prompt_token_ratio"] for h in rec["log_history"] if "loss" in h]
+        assert ratios and min(ratios) < 1, ratios
 
 
 @BACKENDS_GROUP

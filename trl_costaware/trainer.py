@@ -304,12 +304,13 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         elif any(value is not None for value in kwargs.values()):
             extra = sorted(k for k, v in kwargs.items() if v is not None)
             reason = f"the pass has model inputs beyond the text ({extra})"
-        else:
-            reason = shared_prompt.layout_problem(attention_mask, logits_to_keep)
+        else:  # one device→host copy of the ids and the mask: the grouping and the layout are host work
+            host_ids, host_mask = torch.stack([input_ids, attention_mask.to(input_ids.dtype)]).cpu()
+            reason = shared_prompt.layout_problem(host_mask, logits_to_keep)
         if reason is not None and reason not in self._cost_aware.shared_fallbacks:
             self._cost_aware.shared_fallbacks.add(reason)
             warnings.warn(f"shared_prompt_forward: running unshared where {reason}.", UserWarning, stacklevel=3)
-        groups = [] if reason is not None else shared_prompt.prompt_groups(input_ids, attention_mask, logits_to_keep)
+        groups = [] if reason is not None else shared_prompt.prompt_groups(host_ids, host_mask, logits_to_keep)
         if len(groups) in (0, len(input_ids)):  # a fallback, or no prompt repeats: the unshared pass is the same work
             if policy_pass:
                 self._metrics["train"]["cost_aware/shared_prompt_token_ratio"].append(1.0)
@@ -319,7 +320,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         logps, entropies, tokens, unshared = shared_prompt.shared_forward(
             model,
             input_ids,
-            attention_mask,
+            host_mask,
             logits_to_keep,
             groups,
             bias_dtype=bias_dtype,

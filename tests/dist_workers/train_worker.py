@@ -72,6 +72,8 @@ def parse_args(argv=None):
     p.add_argument("--optim", default="adamw_torch", help="sgd: the weights move by the gradient itself")
     p.add_argument("--rank0-log", action="store_true", help="a callback calls trainer.log on rank 0 only, every step")
     p.add_argument("--logging-steps", type=int, default=1)
+    p.add_argument("--shared-prompt", action="store_true", help="shared_prompt_forward=True")
+    p.add_argument("--plain", action="store_true", help="cost_aware=False (plain GRPO)")
     return p.parse_args(argv)
 
 
@@ -138,6 +140,8 @@ def main(argv=None) -> int:
         cost_aware_token_budget=args.token_budget,
         cost_aware_weight_normalization=args.weight_normalization,
         optim=args.optim,
+        shared_prompt_forward=args.shared_prompt,
+        cost_aware=not args.plain,
     )
     peft_config = None
     if args.lora:

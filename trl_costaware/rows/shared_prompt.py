@@ -90,7 +90,8 @@ def shared_layout(
     input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int, groups: list[list[int]]
 ) -> SharedLayout:
     """The shared-prompt sequences of `groups` (lists of row indices; `prompt_groups`) of a batch for which
-    `layout_problem` is None. Rows outside `groups` get no target (their outputs stay 0)."""
+    `layout_problem` is None. Rows outside `groups` get no target (their outputs stay 0). The layout is built on the
+    host from `attention_mask` (pass a host copy to avoid a transfer) and moved to `input_ids`' device."""
     rows, total = input_ids.shape
     prompt_len = total - logits_to_keep
     mask = attention_mask.bool().cpu()
