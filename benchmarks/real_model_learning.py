@@ -116,21 +116,32 @@ ARMS: dict[str, dict] = {
     "filter_only": {**KEPT_HALF, "cost_aware_kept_fraction": 1.0, "cost_aware_proxy": "advantage"},
     # generate more, keep a subset: the update of GRPO at 4 x 8 on rows drawn from four times as many
     "loss_aware_0.25_8x16": {**KEPT_HALF, "cost_aware_kept_fraction": 0.25, "cost_aware_proxy": "loss_aware"},
+    # each group's prompt run once in the update (`shared_prompt_forward`: the same gradients, fewer tokens)
+    "grpo_shared": {"cost_aware": False, "shared_prompt_forward": True},
+    "loss_aware_0.5_shared": {**KEPT_HALF, "cost_aware_proxy": "loss_aware", "shared_prompt_forward": True},
 }
 # Arms at another batch than the recipe's (prompts, rollouts per prompt) per step; the same 4 micro-batches.
 SHAPES: dict[str, tuple[int, int]] = {"grpo_4x8": (4, 8), "grpo_8x4": (8, 4), "loss_aware_0.25_8x16": (8, 16)}
+# A task's run where it differs from times tables'. Passage task: a GRPO step at 8 x 8 took 662 CPU s on this machine
+# (the update 0.74 of it), at 4 x 4 161 s; so 4 prompts x 4 in 2 micro-batches, 40 steps, and a smaller evaluation
+# (its prompts make every generation longer). An arm's `SHAPES` entry scales the task's batch by the same factors.
+TASK_SHAPES: dict[str, dict] = {
+    "passage_table": dict(steps=40, eval_every=10, eval_n=32, prompts=4, generations=4, micro_batches=2),
+}
 # The smoke mode: the embedded tiny model, 2 prompts x 4, 2 steps, evaluated at every step on 4 problems (an arm's
 # shape scaled down by the same factors: 4 x 8 -> 1 x 4, 8 x 16 -> 2 x 8).
 SMOKE = dict(steps=2, eval_every=1, eval_n=4, eval_samples=2, prompts=2, generations=4, micro_batches=2, cap=8)
 
 
-def arm_shape(arm: str, smoke: bool = False) -> dict:
-    """The run's shape: steps, evaluation and batch (`prompts` x `generations` in `micro_batches`), for `arm`."""
+def arm_shape(arm: str, smoke: bool = False, task: str = TASK) -> dict:
+    """The run's shape: steps, evaluation and batch (`prompts` x `generations` in `micro_batches`), for `arm` on
+    `task` (`TASK_SHAPES`; not in smoke mode)."""
     if smoke:
         shape = dict(SMOKE)
     else:
         shape = dict(steps=STEPS, eval_every=EVAL_EVERY, eval_n=EVAL_N, eval_samples=EVAL_SAMPLES, prompts=PROMPTS,
                      generations=GENERATIONS, micro_batches=MICRO_BATCHES, cap=CAP)  # fmt: skip
+        shape.update(TASK_SHAPES.get(task, {}))
     prompts, generations = SHAPES.get(arm, (PROMPTS, GENERATIONS))
     shape["prompts"] = max(1, shape["prompts"] * prompts // PROMPTS)
     shape["generations"] = max(2, shape["generations"] * generations // GENERATIONS)
@@ -334,7 +345,7 @@ def train(
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 
     torch.set_num_threads(1)
-    shape = arm_shape(arm, smoke)
+    shape = arm_shape(arm, smoke, task)
     if steps is not None:
         shape["steps"] = steps
     model_path, lora = model_and_lora(smoke)

@@ -11,9 +11,9 @@ package's own; both end in `(log-probs + entropies).sum().backward()`.
 
 Each cell (P, G, pass) runs in its own process, pinned to one core (`--core`): one warm-up pass (for batches of at
 most `WARMUP_TOKENS` tokens; a larger one takes a minute or more, where the first pass's allocations weigh little),
-then `--repeats` timed passes (median of the process's CPU seconds and of wall seconds), and the peak resident memory above what the
-process held once the model was loaded (`ru_maxrss`: the cell's own peak, as each process runs one cell). Cells land
-in ``<results>/cells.jsonl`` as they finish, with the package commit; a rerun skips the cells already there.
+then `--repeats` timed passes (median of the process's CPU seconds and of wall seconds), and the peak resident memory
+above what the process held once the model was loaded (`ru_maxrss`: the cell's own peak, as each process runs one
+cell). Cells land in ``<results>/cells.jsonl`` as they finish, with the package commit; a rerun skips them.
 `--analyse` writes ``summary.md`` and ``update_vs_tokens.png``.
 
     python benchmarks/shared_prompt_update.py --core 0               # the grid below, then the analysis
