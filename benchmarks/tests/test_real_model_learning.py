@@ -276,6 +276,23 @@ def test_smoke_passage_task_logs_what_the_draw_keeps(tmp_path):
     assert rml.task_dirs("passage_table")[1].endswith("real_model_learning_passage_table")
 
 
+def test_shapes_per_task_and_the_shared_arms(tmp_path):
+    """The passage task runs at its own shape (4 x 4 in 2 micro-batches, 40 steps), which an arm's shape scales; the
+    shared arms switch on the shared-prompt forward and train (smoke, the passage task)."""
+    shape = rml.arm_shape("grpo", task="passage_table")
+    assert (shape["prompts"], shape["generations"], shape["micro_batches"], shape["steps"]) == (4, 4, 2, 40)
+    assert rml.arm_shape("grpo_8x4", task="passage_table")["generations"] == 2
+    assert (
+        rml.arm_shape("grpo")["prompts"] == rml.PROMPTS
+        and rml.arm_shape("grpo", smoke=True, task="passage_table")["prompts"] == rml.SMOKE["prompts"]
+    )
+    assert rml.ARMS["grpo_shared"]["shared_prompt_forward"] and not rml.ARMS["grpo_shared"]["cost_aware"]
+    out, res = str(tmp_path / "out"), str(tmp_path / "res")
+    rml.main(["--smoke", "--task", "passage_table", "--out", out, "--results", res, "--seeds", "0", "--no-analyse",
+              "--arms", "grpo_shared", "--steps", "1"])  # fmt: skip
+    assert _run(res, "grpo_shared")["settings"]["shared_prompt_forward"] is True
+
+
 def test_a_run_gets_a_port_of_its_own(tmp_path, monkeypatch):
     """accelerate leaves MASTER_PORT (29500) in the environment of a process that trained in-process and binds it
     for a world-size-1 group on the CPU: a run launched from such a process, while another holds that port, still

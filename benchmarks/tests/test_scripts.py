@@ -131,6 +131,27 @@ def test_token_efficiency_schedules_only_existing_arms():
 
 
 @pytest.mark.multiprocess
+def test_shared_prompt_update_smoke_resumes_and_analyses(tmp_path, capsys):
+    """Two cells per pass on the tiny model, both passes, the token ratio from the drawn lengths; a rerun skips the
+    cells already measured; the analysis writes its table and figure."""
+    import shared_prompt_update as spu
+
+    res = tmp_path / "res"
+    assert spu.main(["--smoke", "--results", str(res)]) == 0
+    cells = [json.loads(line) for line in (res / "cells.jsonl").read_text().splitlines()]
+    assert {(c["prompt"], c["generations"], c["pass"]) for c in cells} == {
+        (12, g, p) for g in (2, 4) for p in spu.PASSES
+    }
+    for c in cells:
+        assert c["cpu_s"] > 0 and c["peak_mb_above_model"] >= 0 and 0 < c["token_ratio"] < 1
+        assert c["tokens_run"] < 12 * c["generations"] + c["generations"] * 9 or c["pass"] == "unshared"
+    assert spu.main(["--smoke", "--results", str(res)]) == 0  # nothing left to run
+    assert len((res / "cells.jsonl").read_text().splitlines()) == 4
+    assert _files(res) == {"cells.jsonl", "summary.md", "update_vs_tokens.png"}
+    assert "| 12 | 4 |" in (res / "summary.md").read_text()
+
+
+@pytest.mark.multiprocess
 def test_batch_shapes_smoke(tmp_path, warm_model_path):
     import batch_shapes
 

@@ -152,6 +152,22 @@ def shared_layout(
     )
 
 
+def pass_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[int, int] | None:
+    """(real tokens, padded tokens) of the shared pass over a micro-batch run as one forward (TRL's policy pass):
+    Σ_g (P_g − 1) + Σ_i (1 + n_i), and the groups times the longest sequence; None where the pass runs unshared (the
+    layout does not apply, or no prompt repeats). Host work: pass host tensors to avoid transfers."""
+    if layout_problem(attention_mask, logits_to_keep) is not None:
+        return None
+    groups = prompt_groups(input_ids, attention_mask, logits_to_keep)
+    if len(groups) == len(input_ids):
+        return None
+    prompt_len = input_ids.size(1) - logits_to_keep
+    mask = attention_mask.bool().cpu()
+    prompt, completion = mask[:, :prompt_len].sum(-1), mask[:, prompt_len:].sum(-1)
+    lengths = [int(prompt[g[0]]) - 1 + sum(1 + int(completion[r]) for r in g) for g in groups]
+    return sum(lengths), len(groups) * max(lengths)
+
+
 def attention_bias(allowed: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """The 4D mask the model takes, (n, 1, L, L): `allowed` itself for SDPA (`dtype` None), else additive (0 where
     allowed, the dtype's minimum elsewhere) for an implementation that adds the mask to its scores (eager)."""
