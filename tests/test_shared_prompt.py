@@ -324,3 +324,26 @@ def test_counters_count_what_the_shared_pass_runs(tiny_model_path, tmp_path):
     for off_step, on_step, row in zip(steps_off, steps_on, rows_on, strict=True):
         assert on_step < off_step
         assert on_step == pytest.approx(off_step * row["cost_aware/shared_prompt_token_ratio"], rel=1e-9)
+
+
+def test_forwards_hold_at_most_batch_size_rows(fused_model, monkeypatch):
+    """`batch_size` bounds the rows of each forward as in TRL's chunked pass: a group larger than it is split into
+    sequences of at most `batch_size` rows, each with its prompt; the log-probs are the same."""
+    model = fused_model
+    model.config._attn_implementation = "sdpa"
+    ids, mask = make_batch([5], [(0, 3), (0, 2), (0, 4), (0, 1), (0, 3)], width=4)
+    groups = shared_prompt.prompt_groups(ids, mask, 4)
+    seen = []
+    original = shared_prompt.shared_layout
+
+    def recorded(input_ids, attention_mask, width, chunk):
+        seen.append([len(g) for g in chunk])
+        return original(input_ids, attention_mask, width, chunk)
+
+    monkeypatch.setattr(shared_prompt, "shared_layout", recorded)
+    with torch.no_grad():
+        whole = shared_prompt.shared_forward(model, ids, mask, 4, groups, bias_dtype=None)[0]
+        split = shared_prompt.shared_forward(model, ids, mask, 4, groups, bias_dtype=None, batch_size=2)
+    assert seen == [[5], [2], [2], [1]]
+    assert torch.allclose(split[0], whole, atol=1e-5)
+    assert split[2] == (5 - 1) * 3 + (1 + 3) + (1 + 2) + (1 + 4) + (1 + 1) + (1 + 3)  # the prompt once per sequence

@@ -200,12 +200,13 @@ def shared_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, int, int]:
     """The per-token log-probs (B, W) (and entropies) of the unshared pass, computed with each group's prompt once:
     `model` carries TRL's fused LM head (`trl.trainer.utils.add_fused_lm_head`, which scores pre-shifted
-    `shift_labels`); groups run in forwards of at most `batch_size` rows (at least one group each), as TRL chunks its
-    rows; `bias_dtype` as in `attention_bias`; each forward inside `autocast()`. Returns (log-probs, entropies or
-    None, tokens run, tokens the unshared rows hold)."""
+    `shift_labels`); forwards of at most `batch_size` rows, as TRL chunks its rows (a larger group is split into
+    sequences of at most `batch_size` rows, each with the prompt); `bias_dtype` as in `attention_bias`; each forward
+    inside `autocast()`. Returns (log-probs, entropies or None, tokens run, tokens the unshared rows hold)."""
     limit = batch_size or len(input_ids)
+    pieces = [group[i : i + limit] for group in groups for i in range(0, len(group), limit)]
     chunks, rows = [[]], 0
-    for group in groups:
+    for group in pieces:
         if chunks[-1] and rows + len(group) > limit:
             chunks.append([])
             rows = 0
