@@ -82,32 +82,6 @@ def test_subset_selection_smoke(tmp_path):
     assert _files(tmp_path) == {"subset_selection.json", "subset_selection.png"}
 
 
-def test_proxy_fidelity_smoke_and_replot(tmp_path, warm_model_path):
-    import proxy_fidelity
-
-    results = tmp_path / "results"
-    args = ["--smoke", "--task", "testbed", "--results", str(results)]  # the shipped warm-up: nothing to train first
-    proxy_fidelity.main([*args, "--out", str(tmp_path / "runs")])
-    names = {f"proxy_fidelity_smoke_testbed.{ext}" for ext in ("csv", "json", "md", "png")}
-    assert _files(results) == names
-    (results / "proxy_fidelity_smoke_testbed.md").unlink()
-    proxy_fidelity.main([*args, "--replot"])  # from the saved .json/.csv
-    assert _files(results) == names
-
-
-def test_proxy_fidelity_replots_committed_results_with_the_removed_budget_table(tmp_path):
-    """--replot of a committed result (measured with the adaptive budget, since removed) rewrites its .md as it is."""
-    import shutil
-
-    import proxy_fidelity
-
-    for ext in ("csv", "json", "md"):
-        shutil.copy(BENCH / "results" / f"proxy_fidelity_quick.{ext}", tmp_path)
-    proxy_fidelity.main(["--quick", "--replot", "--results", str(tmp_path)])
-    committed = (BENCH / "results" / "proxy_fidelity_quick.md").read_text()
-    assert (tmp_path / "proxy_fidelity_quick.md").read_text() == committed
-
-
 def test_token_efficiency_smoke(tmp_path, warm_model_path):
     import token_efficiency
 
