@@ -347,3 +347,18 @@ def test_forwards_hold_at_most_batch_size_rows(fused_model, monkeypatch):
     assert seen == [[5], [2], [2], [1]]
     assert torch.allclose(split[0], whole, atol=1e-5)
     assert split[2] == (5 - 1) * 3 + (1 + 3) + (1 + 2) + (1 + 4) + (1 + 1) + (1 + 3)  # the prompt once per sequence
+
+
+def test_packed_micro_steps_keep_groups_together_over_several_runs():
+    """With several optimizer steps per generation batch (two runs), group ids keep each prompt's rows in one
+    micro-batch where they fit, run by run, and without group ids the layout is the one before (no group ids leak
+    from one run into the next)."""
+    from trl_costaware.rows.layout import packed_micro_steps
+
+    order = list(range(8))
+    lengths = [5, 4, 1, 2, 8, 7, 6, 3]
+    groups = [0, 1, 0, 1, 2, 3, 2, 3]
+    plain = packed_micro_steps(order, lengths, 4, 2, capacity=2)
+    assert plain == [[0, 1], [3, 2], [4, 5], [6, 7]]  # longest first: groups mixed
+    grouped = packed_micro_steps(order, lengths, 4, 2, capacity=2, groups=groups)
+    assert grouped == [[0, 2], [1, 3], [4, 6], [5, 7]]

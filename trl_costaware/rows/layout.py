@@ -140,8 +140,8 @@ def packed_micro_steps(
         run_lengths = [lengths[i] for i in rows]
         run_groups = None if groups is None else [groups[i] for i in rows]
         cut = pack_sorted(run_lengths, capacity, run_groups) if fill else spread_sorted(run_lengths, g, run_groups)
-        groups = [[rows[i] for i in group] for group in cut]
-        steps.extend([None] * (g - len(groups)) + groups)
+        batches = [[rows[i] for i in batch] for batch in cut]
+        steps.extend([None] * (g - len(batches)) + batches)
     return steps
 
 
