@@ -345,6 +345,7 @@ def train(
     from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
 
     torch.set_num_threads(1)
+    commit = package_commit("benchmarks/real_model_learning.py")  # the code this process imported, not a later HEAD
     shape = arm_shape(arm, smoke, task)
     if steps is not None:
         shape["steps"] = steps
@@ -444,7 +445,7 @@ def train(
         "model": os.path.basename(model_path.rstrip("/")),
         "task": task,
         "shape": shape,
-        "commit": package_commit("benchmarks/real_model_learning.py"),
+        "commit": commit,
         "cores": sorted(os.sched_getaffinity(0)),
         "resumed_from_step": done_steps,
         "base_eval": base_eval,
