@@ -98,22 +98,18 @@ clean:
 
 # ---------------------------------------------------------------------------------------------------- benchmarks
 # One target per script; benchmarks/README.md says which question each answers and where its result lies, and
-# RESULTS.md has the tables. `make bench-quick` runs the smoke versions of the three that have one (the SGD/subset
-# ones write to benchmarks/results/tmp, the others to *_quick files); `make bench` the full ones (several hours on 2
+# RESULTS.md has the tables. `make bench-quick` runs the smoke versions of the two that have one (the SGD one
+# writes to benchmarks/results/tmp, the other to *_quick files); `make bench` the full ones (several hours on 2
 # cores). The regime matrix, the noise-scale check, the batch shapes and the step profile run on their own.
 BENCH_ENV := $(RUN_ENV) WANDB_MODE=offline WANDB_SILENT=true HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 QUICK ?=
 
-.PHONY: bench bench-quick bench-sgd bench-subset bench-token-efficiency bench-regime \
+.PHONY: bench bench-quick bench-sgd bench-token-efficiency bench-regime \
 	bench-batch-shapes bench-profile profile bench-real-model-rows bench-real-model-learning bench-shared-prompt
 
 # Does sampling ∝ G/√c cut SGD's cost to ε on a convex finite sum as the theory's J ratio predicts? (§1)
 bench-sgd: $(STAMP)
 	$(BENCH_ENV) $(BIN)/python benchmarks/cost_aware_sgd.py $(QUICK) $(if $(QUICK),--out benchmarks/results/tmp,)
-
-# What does dropping the most expensive examples under a bias budget Γ cost in error, and save in cost? (§1)
-bench-subset: $(STAMP)
-	$(BENCH_ENV) $(BIN)/python benchmarks/subset_selection.py $(QUICK) $(if $(QUICK),--out benchmarks/results/tmp,)
 
 # The |A|/√c draw against the other row rules on the same rollouts (GRPO without its zero-advantage rows, uniform
 # subsampling, PODS, GRPO on half the prompts): policy tokens to the target (§3, §5), then compute to the target of
@@ -150,7 +146,7 @@ bench-profile: $(STAMP)
 
 profile: bench-profile  # the target's earlier name
 
-bench: bench-sgd bench-subset bench-token-efficiency
+bench: bench-sgd bench-token-efficiency
 
 bench-quick:
 	$(MAKE) bench QUICK=--quick

@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import _common as common  # noqa: E402
 
-from trl_costaware.scripts.demo import finish_accuracy_plot  # noqa: E402
+from trl_costaware.scripts.demo import style_accuracy_axes  # noqa: E402
 from trl_costaware.tracking.compare.compute import (  # noqa: E402
     GPU_GEN77,
     GPU_VERL,
@@ -447,7 +447,10 @@ def plot_curves(runs: dict[str, dict[int, dict]], arms, path: str, title: str, t
         se = ys.std(0, ddof=1) / np.sqrt(len(ys)) if len(ys) > 1 else np.zeros_like(mean)
         (line,) = ax.plot(grid / 1e6, mean, label=f"{arm} ({len(ys)} seeds)")
         ax.fill_between(grid / 1e6, mean - se, mean + se, color=line.get_color(), alpha=0.2)
-    finish_accuracy_plot(fig, ax, target, path, title, legend_size=8)
+    style_accuracy_axes(ax, target, "policy-optimisation tokens (millions)", title, legend_size=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
 
 

@@ -17,7 +17,6 @@ LAYERS = {
     "_version": 0,
     "_compat": 0,
     "rewards": 0,
-    "subset": 0,
     "tracking": 1,
     "rows": 2,
     "config": 3,

@@ -88,7 +88,7 @@ builtins.__import__ = _guarded
 
 import trl_costaware
 from trl_costaware import CostAwareGRPOConfig, CostAwareGRPOTrainer
-import trl_costaware.subset, trl_costaware.tracking.callbacks, trl_costaware.tracking.compare
+import trl_costaware.tracking.callbacks, trl_costaware.tracking.compare
 from trl_costaware.scripts import cli, demo, train
 
 for argv in (["--help"], ["compare", "--help"], ["train", "--help"]):

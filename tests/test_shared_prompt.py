@@ -155,9 +155,18 @@ def test_groups_and_problems():
     assert "no prompt" in shared_prompt.layout_problem(mask[:, -3:], 3)
 
 
-def test_token_ratio():
-    assert shared_prompt.token_ratio(500, [100] * 8) == pytest.approx(1300 / 4800)
-    assert shared_prompt.token_ratio(0, [5, 7]) == 1.0
+def test_planned_pass_counts_what_the_layout_runs():
+    ids, mask = make_batch([5, 3], [(0, 4), (1, 2), (0, 1), (0, 3)], width=4)
+    plan = shared_prompt.plan_pass(ids, mask, 4)
+    assert plan.shared and plan.reason is None and plan.groups == [[0, 2, 3], [1]]
+    layout = shared_prompt.shared_layout(ids, mask, 4, plan.groups)
+    # group 0: prefix 4 + segments 5, 2, 4; group 1: prefix 2 + segment 3
+    assert plan.tokens() == (layout.tokens, len(layout.input_ids) * layout.input_ids.size(1)) == (20, 30)
+    assert not shared_prompt.plan_pass(ids[:2], mask[:2], 4).shared  # no prompt repeats
+    holed = mask.clone()
+    holed[0, -4:] = torch.tensor([1, 0, 1, 0])
+    unlaid = shared_prompt.plan_pass(ids, holed, 4)
+    assert "hole" in unlaid.reason and not unlaid.shared
 
 
 def test_refusal_rules():
@@ -324,6 +333,34 @@ def test_counters_count_what_the_shared_pass_runs(tiny_model_path, tmp_path):
     for off_step, on_step, row in zip(steps_off, steps_on, rows_on, strict=True):
         assert on_step < off_step
         assert on_step == pytest.approx(off_step * row["cost_aware/shared_prompt_token_ratio"], rel=1e-9)
+
+
+def test_a_micro_batch_is_planned_once_for_all_its_passes(tiny_model_path, tmp_path, monkeypatch):
+    """The host grouping (one device→host copy) runs once per real micro-batch, shared by its old-policy, reference
+    and policy passes (β > 0, two iterations: four passes each) and its token counts."""
+    from trl_costaware import CostAwareGRPOTrainer
+
+    counts = {"planned": 0, "forwards": 0, "micro_batches": 0}
+    plan_pass, shared_forward = shared_prompt.plan_pass, shared_prompt.shared_forward
+    process = CostAwareGRPOTrainer._process_new_buffer
+
+    def counting(key, fn):
+        def wrapped(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def counting_process(self):
+        process(self)
+        counts["micro_batches"] += sum(not step.noop for step in self._cost_aware.generation.micro_steps)
+
+    monkeypatch.setattr(shared_prompt, "plan_pass", counting("planned", plan_pass))
+    monkeypatch.setattr(shared_prompt, "shared_forward", counting("forwards", shared_forward))
+    monkeypatch.setattr(CostAwareGRPOTrainer, "_process_new_buffer", counting_process)
+    trained(tiny_model_path, tmp_path, "on", shared_prompt_forward=True, cost_aware=True, loss_type="dapo")
+    assert counts["planned"] == counts["micro_batches"] > 0
+    assert counts["forwards"] >= 3 * counts["micro_batches"], counts
 
 
 def test_forwards_hold_at_most_batch_size_rows(fused_model, monkeypatch):

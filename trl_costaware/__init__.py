@@ -14,11 +14,10 @@ from typing import TYPE_CHECKING
 from ._compat import TESTED_TRL_RANGE, check_trl_version
 from ._version import __version__
 
-_LAZY = {"CostAwareGRPOConfig": ".config", "CostAwareGRPOTrainer": ".trainer", "select_subset": ".subset"}
+_LAZY = {"CostAwareGRPOConfig": ".config", "CostAwareGRPOTrainer": ".trainer"}
 
 if TYPE_CHECKING:  # pragma: no cover
     from .config import CostAwareGRPOConfig
-    from .subset import select_subset
     from .trainer import CostAwareGRPOTrainer
 
 
@@ -40,5 +39,4 @@ __all__ = [
     "CostAwareGRPOTrainer",
     "__version__",
     "check_trl_version",
-    "select_subset",
 ]

@@ -10,7 +10,7 @@ import json
 import os
 import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +21,7 @@ from trl.trainer.utils import use_adapter
 
 from .config import CostAwareGRPOConfig, resolve_cost_fn
 from .rows import shared_prompt
-from .rows.batching import KNOWN_KEYS, loss_mask, noop_micro_batch, row_lengths, select_rows
+from .rows.batching import KNOWN_KEYS, full_sequences, loss_mask, noop_micro_batch, row_lengths, select_rows
 from .rows.deferred import DEFERRED_KEYS, VLLM_METRICS, deferred_passes, placeholder_logps, ratio_stats, scoring_window
 from .rows.layout import kept_multiple, layout_for, optimizer_segments
 from .rows.packed import MicroStep, even_buffer, noop_skippable, pack_buffer, token_weighted_means
@@ -69,8 +69,9 @@ class GenerationBatch:
     counters its generation and draw added (`generated`; a checkpoint inside it saves the streams and the totals
     without these, as TRL regenerates it on resume), its `plan` (None under `cost_aware=False`), its `kept` rows until
     laid out, then, per micro-step position, its `micro_batches` (TRL's buffer), what the loss needs of each
-    (`micro_steps`), the counters each adds when it trains (`trained`) and a packed micro-batch's metric weights
-    (loss tokens, rows) over all ranks (`metric_weights`)."""
+    (`micro_steps`), its planned shared pass (`shared_passes`; None without `shared_prompt_forward` or for a no-op),
+    the counters each adds when it trains (`trained`) and a packed micro-batch's metric weights (loss tokens, rows)
+    over all ranks (`metric_weights`)."""
 
     start_streams: dict
     generated: dict[str, float] = field(default_factory=dict)
@@ -78,6 +79,7 @@ class GenerationBatch:
     kept: dict | None = None
     micro_batches: list[dict] | None = None
     micro_steps: list[MicroStep] | None = None
+    shared_passes: list[shared_prompt.SharedPass | None] | None = None
     trained: list[dict[str, float]] | None = None
     metric_weights: list[tuple[float, float]] | None = None
 
@@ -94,7 +96,8 @@ class CostAwareState:
     callable (`cost_fn`, None for a built-in kind), the sampler's and grouping's random streams (independent, seeded
     by seed, rank and name), the global cumulative counters (`totals`), the generation batch being trained on, the
     deferred passes' flag (`rows.deferred.scoring_window`), the packed micro-batches' metric weights since the
-    last train `log`, and the reasons the shared-prompt forward fell back (each warned once)."""
+    last train `log`, the reasons the shared-prompt forward fell back (each warned once) and the shared pass planned
+    for the micro-batch whose log-probs are being computed (`_sharing`)."""
 
     layout: str
     cost_fn: Callable | None
@@ -107,6 +110,7 @@ class CostAwareState:
     deferring: bool | None = None
     metric_weights: list[tuple[float, float]] = field(default_factory=list)
     shared_fallbacks: set[str] = field(default_factory=set)
+    shared_pass: shared_prompt.SharedPass | None = None
 
 
 def text_only_processing_class(model, processing_class, args):
@@ -298,20 +302,20 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         batch the layout cannot reproduce: warned once per reason). The policy pass logs its token ratio
         (`cost_aware/shared_prompt_token_ratio`, 1 where it ran unshared)."""
         policy_pass = self.model.training and torch.is_grad_enabled()  # one token ratio per micro-step
-        reason = None
+        plan, reason = self._cost_aware.shared_pass, None
         if compute_aux_loss:
             reason = "the router aux loss averages over every token"
         elif any(value is not None for value in kwargs.values()):
             extra = sorted(k for k, v in kwargs.items() if v is not None)
             reason = f"the pass has model inputs beyond the text ({extra})"
-        else:  # one device→host copy of the ids and the mask: the grouping and the layout are host work
-            host_ids, host_mask = torch.stack([input_ids, attention_mask.to(input_ids.dtype)]).cpu()
-            reason = shared_prompt.layout_problem(host_mask, logits_to_keep)
+        else:
+            if plan is None or plan.mask.shape != attention_mask.shape:  # a pass outside the trainer's micro-steps
+                plan = shared_prompt.plan_pass(input_ids, attention_mask, logits_to_keep)
+            reason = plan.reason
         if reason is not None and reason not in self._cost_aware.shared_fallbacks:
             self._cost_aware.shared_fallbacks.add(reason)
             warnings.warn(f"shared_prompt_forward: running unshared where {reason}.", UserWarning, stacklevel=3)
-        groups = [] if reason is not None else shared_prompt.prompt_groups(host_ids, host_mask, logits_to_keep)
-        if len(groups) in (0, len(input_ids)):  # a fallback, or no prompt repeats: the unshared pass is the same work
+        if reason is not None or not plan.shared:
             if policy_pass:
                 self._metrics["train"]["cost_aware/shared_prompt_token_ratio"].append(1.0)
             return None
@@ -320,9 +324,9 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         logps, entropies, tokens, unshared = shared_prompt.shared_forward(
             model,
             input_ids,
-            host_mask,
+            plan.mask,
             logits_to_keep,
-            groups,
+            plan.groups,
             bias_dtype=bias_dtype,
             compute_entropy=compute_entropy,
             batch_size=batch_size,
@@ -331,6 +335,16 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         if policy_pass:
             self._metrics["train"]["cost_aware/shared_prompt_token_ratio"].append(tokens / max(unshared, 1))
         return logps, entropies, None
+
+    @contextmanager
+    def _sharing(self, plan: shared_prompt.SharedPass | None):
+        """The log-prob passes inside run with `plan`, their micro-batch's shared pass planned once (else each plans
+        its own)."""
+        self._cost_aware.shared_pass = plan
+        try:
+            yield
+        finally:
+            self._cost_aware.shared_pass = None
 
     def _row_costs(self, batch) -> torch.Tensor:
         cost_fn = self._cost_aware.cost_fn
@@ -484,16 +498,20 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             full = plan.micro_tokens_full if plan is not None else None
             laid_out = even_buffer(chunks, host, pad_to_multiple_of=self.pad_to_multiple_of, micro_tokens_full=full)
         chunks, steps = map(list, zip(*laid_out, strict=True))
+        shared = [None] * len(chunks)
+        if self.args.shared_prompt_forward:  # once per micro-batch, for its passes and its counts
+            shared = [None if step.noop else shared_prompt.plan_pass(*full_sequences(c)) for c, step in laid_out]
         if self.args.cost_aware:
-            for c, step in zip(chunks, steps, strict=True):
+            for c, step, plan in zip(chunks, steps, shared, strict=True):
                 if not step.noop:
-                    self._compute_deferred_logps(c)
-        generation.micro_steps = steps
+                    with self._sharing(plan):
+                        self._compute_deferred_logps(c)
+        generation.micro_steps, generation.shared_passes = steps, shared
         # TRL-private write 1 of 4: TRL's `_prepare_inputs` indexes its `_buffered_inputs` by `_step` and has no hook
         # between its split and that index; the trainer's micro-batches (packed, trimmed) replace the buffer once
         # (test_trl_indexes_the_buffer_it_splits guards that code of TRL's).
         self._buffered_inputs = generation.micro_batches = chunks
-        local = self._micro_step_counts(chunks, steps)
+        local = self._micro_step_counts(chunks, steps, shared)
         device = chunks[0]["completion_mask"].device
         if self.args.cost_aware and self.use_vllm and self.vllm_importance_sampling_correction:
             real = [c for c, step in zip(chunks, steps, strict=True) if not step.noop]
@@ -517,11 +535,11 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             return False
         return all(key in KNOWN_KEYS for c in chunks for key in c)
 
-    def _micro_step_counts(self, chunks, steps) -> dict[str, float]:
+    def _micro_step_counts(self, chunks, steps, shared) -> dict[str, float]:
         """This rank's counts per micro-step position p, named ``<name>/<p>`` (the same keys on every rank, so the
         ranks' one gather has one shape): `TRAINED_COUNTERS` (real tokens from the layout's host statistics, else
         one device→host copy for all micro-batches that lack them; padded tokens from shapes, a no-op counted where it
-        runs the model; with `shared_prompt_forward`, the tokens the shared pass runs, one copy per micro-batch) and a
+        runs the model; with `shared_prompt_forward`, the tokens its planned shared pass runs, `shared`) and a
         packed micro-batch's metric weights (loss tokens, rows; 0 elsewhere)."""
         skips = noop_skippable(self.accelerator)
         unknown = [p for p, step in enumerate(steps) if not step.noop and step.policy_tokens is None]
@@ -533,12 +551,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         for p, (c, step) in enumerate(zip(chunks, steps, strict=True)):
             tokens = 0.0 if step.noop else measured.get(p, step.policy_tokens)
             padded = 0 if step.noop and skips else c["prompt_ids"].numel() + c["completion_ids"].numel()
-            if self.args.shared_prompt_forward and not step.noop:  # what the shared policy pass runs
-                ids = torch.cat([c["prompt_ids"], c["completion_ids"]], dim=1)
-                mask = torch.cat([c["prompt_mask"], c["completion_mask"]], dim=1).to(ids.dtype)
-                host_ids, host_mask = torch.stack([ids, mask]).cpu()
-                shared = shared_prompt.pass_tokens(host_ids, host_mask, c["completion_ids"].size(1))
-                tokens, padded = (tokens, padded) if shared is None else shared
+            if shared[p] is not None and shared[p].shared:  # what the shared policy pass runs
+                tokens, padded = shared[p].tokens()
             weights = step.metric_weights or (0.0, 0.0)
             local.update({f"policy_tokens/{p}": tokens, f"policy_tokens_padded/{p}": float(padded)})
             local.update({f"metric_tokens/{p}": weights[0], f"metric_rows/{p}": weights[1]})
@@ -577,17 +591,8 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             pad_to_multiple_of=self.pad_to_multiple_of,
             widths=widths,
             micro_tokens_full=plan.micro_tokens_full if plan is not None else None,
-            groups=self._prompt_group_ids(kept_batch) if self.args.shared_prompt_forward else None,
+            groups=shared_prompt.group_ids(kept_batch) if self.args.shared_prompt_forward else None,
         )
-
-    @staticmethod
-    def _prompt_group_ids(batch) -> list[int]:
-        """A prompt group id per row of `batch` (`shared_prompt.prompt_groups`)."""
-        ids = [0] * len(batch["prompt_ids"])
-        for g, rows in enumerate(shared_prompt.prompt_groups(batch["prompt_ids"], batch["prompt_mask"], 0)):
-            for row in rows:
-                ids[row] = g
-        return ids
 
     def _compute_deferred_logps(self, chunk):
         """The old-policy / reference log-probs of one kept micro-batch, computed on the very tensors `_compute_loss`
@@ -604,9 +609,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
         )
         if not (has_old or has_ref):
             return
-        ids = torch.cat([chunk["prompt_ids"], chunk["completion_ids"]], dim=1)
-        mask = torch.cat([chunk["prompt_mask"], chunk["completion_mask"]], dim=1)
-        width = chunk["completion_ids"].size(1)
+        ids, mask, width = full_sequences(chunk)
         with torch.no_grad(), disable_gradient_checkpointing(self.model, args.gradient_checkpointing_kwargs):
             if has_old:
                 chunk["old_per_token_logps"] = self._get_per_token_logps_and_entropies(self.model, ids, mask, width)[0]
@@ -678,22 +681,18 @@ class CostAwareGRPOTrainer(GRPOTrainer):
                 self.accelerator.num_processes == 1 or not self.accelerator.sync_gradients
             ):
                 return torch.zeros((), device=inputs["completion_ids"].device, requires_grad=True)
-            ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
-            mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            logps = self._get_per_token_logps_and_entropies(model, ids, mask, inputs["completion_ids"].size(1))[0]
+            logps = self._get_per_token_logps_and_entropies(model, *full_sequences(inputs))[0]
             return logps.sum() * 0.0
         if step.metric_weights is not None:
             self._cost_aware.metric_weights.append(generation.metric_weights[position])
         kl_scale = generation.plan.kl_scale if generation.plan is not None else None
-        scale = (kl_scale or 1.0) * step.beta_scale
-        if scale == 1.0 or self.beta == 0.0:
-            return super()._compute_loss(model, inputs)
         # TRL-private write 3 of 4: TRL's `_compute_loss` reads β from `self.beta` only (no argument, no per-batch
         # key), so the per-micro-batch β multiplier is applied by setting it around the call and restoring it.
         beta = self.beta
-        self.beta = beta * scale
+        self.beta = beta * (kl_scale or 1.0) * step.beta_scale
         try:
-            return super()._compute_loss(model, inputs)
+            with self._sharing(generation.shared_passes[position] if generation.shared_passes else None):
+                return super()._compute_loss(model, inputs)
         finally:
             self.beta = beta
 

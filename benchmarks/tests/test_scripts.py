@@ -75,13 +75,6 @@ def test_cost_aware_sgd_draw_is_hansen_hurwitz():
     assert abs(float((idx == 0).double().mean()) - 0.5) < 0.05
 
 
-def test_subset_selection_smoke(tmp_path):
-    import subset_selection
-
-    subset_selection.main(["--smoke", "--out", str(tmp_path)])
-    assert _files(tmp_path) == {"subset_selection.json", "subset_selection.png"}
-
-
 def test_token_efficiency_smoke(tmp_path, warm_model_path):
     import token_efficiency
 
@@ -123,6 +116,42 @@ def test_shared_prompt_update_smoke_resumes_and_analyses(tmp_path, capsys):
     assert len((res / "cells.jsonl").read_text().splitlines()) == 4
     assert _files(res) == {"cells.jsonl", "summary.md", "update_vs_tokens.png"}
     assert "| 12 | 4 |" in (res / "summary.md").read_text()
+
+
+def test_shared_prompt_draw_smoke_and_nested_cost(tmp_path):
+    """On a run record of two batches (prompts found again in the run's training set, measured by a stand-in
+    tokenizer): every design's figure per batch, and the nested draw's cost is the expected shared cost of its draw
+    (one uniform per group, Monte Carlo)."""
+    import shared_prompt_draw as spd
+    from real_model_learning import DATASET_N, task_dataset
+
+    class Chars:  # a token per 4 characters of the message
+        def apply_chat_template(self, messages, **kwargs):
+            return list(range(len(messages[0]["content"]) // 4))
+
+    rows = task_dataset("passage_table", DATASET_N, 0).select(range(4))
+    rewards = ([1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 1.0, 0.0])
+    groups = [
+        {"step": 1 + i // 2, "a": r["a"], "b": r["b"], "notes": r["notes"], "rewards": rewards[i % 2],
+         "tokens": [10 + i, 20, 30 + 2 * i, 64]}
+        for i, r in enumerate(rows)
+    ]  # fmt: skip
+    record = tmp_path / "grpo_shared__s0.json"
+    record.write_text(json.dumps({"seed": 0, "groups": groups}))
+    spd.main(["--runs", str(record), "--out", str(tmp_path / "draw")], tokenizer=Chars())
+    result = json.loads((tmp_path / "draw.json").read_text())
+    for figures in result["figures"].values():
+        assert set(figures) == {"uniform", "today_pc", "today_c", "nested"}
+        assert all(len(v) == 2 and all(x is None or 0 < x <= 1.0001 for x in v) for v in figures.values())
+    assert "| advantage | nested |" in (tmp_path / "draw.md").read_text()
+
+    batch = spd.batches(json.loads(record.read_text()), spd.prompt_lengths(0, Chars()))[0]
+    g = spd.proxy(batch, "loss_aware")
+    pi = spd.nested_pi(batch, g, 2e-3)
+    assert ((pi > 0) & (pi <= 1)).all()
+    u = torch.rand(20000, int(batch["group"].max()) + 1, generator=torch.Generator().manual_seed(0))
+    keep = u[:, batch["group"].long()] < pi
+    assert float(spd.shared_cost(batch, keep).mean()) == pytest.approx(spd.nested_point(batch, g, 2e-3)[0], rel=0.02)
 
 
 @pytest.mark.multiprocess

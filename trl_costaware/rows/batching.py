@@ -112,6 +112,13 @@ def row_lengths(batch: dict) -> torch.Tensor:
     return batch["prompt_mask"].sum(-1) + batch["completion_mask"].sum(-1)
 
 
+def full_sequences(batch: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(input ids, attention mask, logits_to_keep) of a batch's log-prob pass: its prompt and completion columns
+    side by side, as TRL's passes feed them."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    return ids, torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1), batch["completion_ids"].size(1)
+
+
 def loss_mask(batch: dict) -> torch.Tensor:
     """The completion tokens the loss counts: the completion mask, times the tool mask when there is one."""
     mask = batch["completion_mask"]

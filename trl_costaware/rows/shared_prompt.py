@@ -30,6 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from .batching import concat_rows, select_rows
 
@@ -70,6 +71,15 @@ def prompt_groups(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_
     return list(groups.values())
 
 
+def group_ids(batch: dict) -> list[int]:
+    """A prompt group id per row of `batch` (the index of its group in `prompt_groups` of the prompt columns)."""
+    ids = [0] * len(batch["prompt_ids"])
+    for g, rows in enumerate(prompt_groups(batch["prompt_ids"], batch["prompt_mask"], 0)):
+        for row in rows:
+            ids[row] = g
+    return ids
+
+
 def layout_problem(attention_mask: torch.Tensor, logits_to_keep: int) -> str | None:
     """Why the shared layout cannot reproduce the unshared pass on this batch, or None: it needs a prompt column, a
     real last prompt column in every row (left padding) and completions whose mask is a prefix of their columns."""
@@ -95,56 +105,35 @@ def shared_layout(
     rows, total = input_ids.shape
     prompt_len = total - logits_to_keep
     mask = attention_mask.bool().cpu()
-    lengths = mask[:, prompt_len:].sum(-1).tolist()
-    sources: list[list[tuple[int, int]]] = []  # per sequence: (row, column) of each position
-    segments: list[list[int]] = []  # per sequence: 0 for the prefix, i + 1 for row i's segment
-    label_of: list[list[tuple[int, int] | None]] = []  # per position: the (row, column) it predicts
+    lengths = mask[:, prompt_len:].sum(-1)
+    src_rows, src_cols, seg_ids, labelled = [], [], [], []  # per sequence, per position
     for group in groups:
-        first = group[0]
-        prefix = [c for c in range(prompt_len - 1) if mask[first, c]]
-        src = [(first, c) for c in prefix]
-        seg = [0] * len(prefix)
-        lab: list[tuple[int, int] | None] = [None] * len(prefix)
-        for i, row in enumerate(group):
-            cols = [prompt_len - 1] + list(range(prompt_len, prompt_len + lengths[row]))
-            src += [(row, c) for c in cols]
-            seg += [i + 1] * len(cols)
-            lab += [(row, c) for c in cols[1:]] + [None]
-        sources.append(src)
-        segments.append(seg)
-        label_of.append(lab)
-    width = max(len(s) for s in sources)
-    n = len(sources)
-    src_rows = torch.zeros(n, width, dtype=torch.long)
-    src_cols = torch.zeros(n, width, dtype=torch.long)
-    seg_ids = torch.full((n, width), -1, dtype=torch.long)
-    lab_rows = torch.zeros(n, width, dtype=torch.long)
-    lab_cols = torch.zeros(n, width, dtype=torch.long)
-    has_label = torch.zeros(n, width, dtype=torch.bool)
-    for s, (src, seg, lab) in enumerate(zip(sources, segments, label_of, strict=True)):
-        length = len(src)
-        src_rows[s, :length] = torch.tensor([r for r, _ in src])
-        src_cols[s, :length] = torch.tensor([c for _, c in src])
-        seg_ids[s, :length] = torch.tensor(seg)
-        for p, target in enumerate(lab):
-            if target is not None:
-                lab_rows[s, p], lab_cols[s, p] = target
-                has_label[s, p] = True
-    device = input_ids.device
+        prefix = mask[group[0], : prompt_len - 1].nonzero().squeeze(1)  # the prompt's real columns but the last
+        members = torch.tensor(group)
+        span = lengths[members] + 1  # a segment: the prompt's last token, then the completion
+        offset = torch.arange(int(span.sum())) - (span.cumsum(0) - span).repeat_interleave(span)
+        src_rows.append(torch.cat([torch.full_like(prefix, group[0]), members.repeat_interleave(span)]))
+        src_cols.append(torch.cat([prefix, prompt_len - 1 + offset]))
+        seg_ids.append(torch.cat([torch.zeros_like(prefix), torch.arange(1, len(group) + 1).repeat_interleave(span)]))
+        labelled.append(torch.cat([torch.zeros_like(prefix), offset < (span - 1).repeat_interleave(span)]).bool())
+    src_rows, src_cols, labelled = (pad_sequence(x, batch_first=True) for x in (src_rows, src_cols, labelled))
+    seg_ids = pad_sequence(seg_ids, batch_first=True, padding_value=-1)
+    width = seg_ids.size(1)
     real = seg_ids >= 0
     causal = torch.ones(width, width, dtype=torch.bool).tril()
     same = (seg_ids[:, None, :] == 0) | (seg_ids[:, None, :] == seg_ids[:, :, None])
     allowed = causal & same & real[:, :, None] & real[:, None, :]
     allowed |= torch.eye(width, dtype=torch.bool) & ~real[:, :, None]  # padding attends to itself
+    device = input_ids.device
+    label_cols = (src_cols + 1).clamp(max=total - 1)  # a label is the row's next column
     ids = input_ids[src_rows.to(device), src_cols.to(device)].masked_fill(~real.to(device), 0)
-    labels = input_ids[lab_rows.to(device), lab_cols.to(device)].masked_fill(~has_label.to(device), IGNORE)
-    targets = (lab_rows * logits_to_keep + lab_cols - prompt_len)[has_label]
+    labels = input_ids[src_rows.to(device), label_cols.to(device)].masked_fill(~labelled.to(device), IGNORE)
     return SharedLayout(
         input_ids=ids,
         position_ids=src_cols.masked_fill(~real, 0).to(device),
         shift_labels=labels,
         allowed=allowed.to(device),
-        targets=targets.to(device),
+        targets=(src_rows * logits_to_keep + label_cols - prompt_len)[labelled].to(device),
         rows=rows,
         width=logits_to_keep,
         tokens=int(real.sum()),
@@ -152,20 +141,37 @@ def shared_layout(
     )
 
 
-def pass_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> tuple[int, int] | None:
-    """(real tokens, padded tokens) of the shared pass over a micro-batch run as one forward (TRL's policy pass):
-    Σ_g (P_g − 1) + Σ_i (1 + n_i), and the groups times the longest sequence; None where the pass runs unshared (the
-    layout does not apply, or no prompt repeats). Host work: pass host tensors to avoid transfers."""
-    if layout_problem(attention_mask, logits_to_keep) is not None:
-        return None
-    groups = prompt_groups(input_ids, attention_mask, logits_to_keep)
-    if len(groups) == len(input_ids):
-        return None
-    prompt_len = input_ids.size(1) - logits_to_keep
-    mask = attention_mask.bool().cpu()
-    prompt, completion = mask[:, :prompt_len].sum(-1), mask[:, prompt_len:].sum(-1)
-    lengths = [int(prompt[g[0]]) - 1 + sum(1 + int(completion[r]) for r in g) for g in groups]
-    return sum(lengths), len(groups) * max(lengths)
+@dataclass(frozen=True)
+class SharedPass:
+    """One batch's shared pass, planned on the host once (`plan_pass`): a host copy of its attention `mask`, the
+    prompt `groups` it shares (`prompt_groups`; empty where it runs unshared) and why it runs unshared (`reason`:
+    `layout_problem`'s, None where the layout applies)."""
+
+    mask: torch.Tensor
+    logits_to_keep: int
+    groups: list[list[int]]
+    reason: str | None
+
+    @property
+    def shared(self) -> bool:
+        """Whether it runs shared: the layout applies and some prompt repeats (else unshared is the same work)."""
+        return 0 < len(self.groups) < len(self.mask)
+
+    def tokens(self) -> tuple[int, int]:
+        """(real tokens, padded tokens) of the shared pass run as one forward (TRL's policy pass):
+        Σ_g (P_g − 1 + Σ_{i in g} (1 + n_i)), and the groups times the longest sequence."""
+        prompt_len = self.mask.size(1) - self.logits_to_keep
+        prompt, completion = self.mask[:, :prompt_len].sum(-1), self.mask[:, prompt_len:].sum(-1)
+        lengths = [int(prompt[g[0]]) - 1 + sum(1 + int(completion[r]) for r in g) for g in self.groups]
+        return sum(lengths), len(self.groups) * max(lengths)
+
+
+def plan_pass(input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int) -> SharedPass:
+    """The `SharedPass` of a batch: one device→host copy of its ids and mask, then host work."""
+    host_ids, host_mask = torch.stack([input_ids, attention_mask.to(input_ids.dtype)]).cpu()
+    reason = layout_problem(host_mask, logits_to_keep)
+    groups = [] if reason is not None else prompt_groups(host_ids, host_mask, logits_to_keep)
+    return SharedPass(host_mask, logits_to_keep, groups, reason)
 
 
 def attention_bias(allowed: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
@@ -231,12 +237,6 @@ def shared_forward(
             entropies = part if entropies is None else entropies + part
         tokens, unshared_tokens = tokens + layout.tokens, unshared_tokens + layout.unshared_tokens
     return logps, entropies, tokens, unshared_tokens
-
-
-def token_ratio(prompt_tokens: float, completion_tokens: list[float]) -> float:
-    """The update's token ratio of one group with its prompt shared, (P + Σ_i R_i) / Σ_i (P + R_i) (the last prompt
-    token repeated per segment is left out: one token per row)."""
-    return (prompt_tokens + sum(completion_tokens)) / sum(prompt_tokens + r for r in completion_tokens)
 
 
 SHARED_ATTENTION = ("sdpa", "eager")  # implementations that take a custom 4D mask as given

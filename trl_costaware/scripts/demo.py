@@ -29,12 +29,12 @@ import math
 import os
 import warnings
 
-from trl_costaware.embedded.testbed import DEFAULT_STEPS, EVAL_EVERY, GRPO_RECIPE, HELDOUT_N
+from trl_costaware.embedded.testbed import DEFAULT_STEPS, EVAL_EVERY, HELDOUT_N
 from trl_costaware.tracking._extras import require
 from trl_costaware.tracking.compare.compute import GPU_VERL, Split, cpu_split, measured_update_share, token_weights
+from trl_costaware.tracking.compare.curves import first_crossing
 
 PLOT_FEATURE = "the demo's figure"
-DEMO_SETTINGS = GRPO_RECIPE  # the recipe both arms use (kept under its old name for scripts that import it)
 ARMS = {"grpo": {"cost_aware": False}, "cost_aware_grpo": {"cost_aware": True}}
 TARGET_FRACTION = 0.8
 END_POINTS = 3
@@ -59,17 +59,10 @@ def demo_target(grpo_curve: list[dict], n: int) -> tuple[float | None, str]:
 def tokens_to_target(curve: list[dict], target: float | None, key: str = "policy_tokens") -> float | None:
     """`key` (policy tokens by default; any cumulative value of the curve's points, e.g. a compute) where the
     held-out curve first reaches `target`, linearly interpolated between the last evaluation below it and the first at
-    or above it (None when never reached or no target)."""
+    or above it (None when never reached or no target; `curves.first_crossing`)."""
     if target is None:
         return None
-    for i, point in enumerate(curve):
-        if point["heldout_acc"] >= target:
-            if i == 0:
-                return point[key]
-            prev = curve[i - 1]
-            f = (target - prev["heldout_acc"]) / (point["heldout_acc"] - prev["heldout_acc"])
-            return prev[key] + f * (point[key] - prev[key])
-    return None
+    return first_crossing([p[key] for p in curve], [p["heldout_acc"] for p in curve], target)[0]
 
 
 def compute_splits(grpo_run: dict) -> dict[str, Split]:
@@ -103,17 +96,6 @@ def split_label(name: str, split: Split) -> str:
     if name == "machine":
         return f"this machine, gen {split.generation:.0%}"
     return f"gen {split.generation:.0%}"
-
-
-def finish_accuracy_plot(fig, ax, target: float | None, path: str, title: str, legend_size=None) -> None:
-    """Target line, axis labels, title and legend of a held-out accuracy vs policy tokens figure; saves and closes
-    it (shared by the demo and benchmarks/token_efficiency.py)."""
-    plt = require("matplotlib.pyplot", PLOT_FEATURE)
-
-    style_accuracy_axes(ax, target, "policy-optimisation tokens (millions)", title, legend_size)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def style_accuracy_axes(ax, target: float | None, xlabel: str, title: str, legend_size=None) -> None:
