@@ -17,6 +17,8 @@ Designs, over a batch's informative rows (A ≠ 0; the rest carry no policy grad
 - ``today_pc`` / ``today_c``: the package's draw (`sampling_distribution`, smoothing 0.1, `inclusion_probabilities`,
   `draw_systematic`) with c = prompt + completion or c = completion, m = 1 .. n; the expected shared cost of its
   touched groups by Monte Carlo over `DRAWS` draws;
+- ``today_pc_unshared``: today's draw (c = prompt + completion) without sharing, its cost a fraction of the
+  unshared cost of all informative rows (the setting the draw was derived for);
 - ``nested``: the derived draw (one uniform per group, row i kept iff U_g < π_i), π from the water-filling of §6
   (top set capped at 1; then a conservative, still valid design), its expected cost exact: Σ π_i r_i + Σ_g P_g max π.
 Variance: the Horvitz–Thompson variance under §6's assumption (orthogonal row gradients), Σ_i G_i² (1/π_i − 1), with
@@ -106,14 +108,20 @@ def variance(g: torch.Tensor, pi: torch.Tensor) -> float:
     return float((g**2 * (1 / pi.clamp(min=1e-12) - 1)).sum())
 
 
-def today_curve(batch: dict, g: torch.Tensor, cost_kind: str, gen: torch.Generator) -> list[tuple[float, float]]:
-    """(expected shared cost, variance) of the package's fixed-size draw at m = 1 .. n."""
+def today_curve(
+    batch: dict, g: torch.Tensor, cost_kind: str, gen: torch.Generator, shared: bool = True
+) -> list[tuple[float, float]]:
+    """(expected cost, variance) of the package's fixed-size draw at m = 1 .. n; the cost with sharing (Monte Carlo)
+    or, with `shared` False, without it (Σ π_i (P_i + n_i), exact)."""
     c = batch["n"] + (batch["prompt"] if cost_kind == "pc" else 0)
     p = sampling_distribution(g / c.sqrt(), SMOOTHING)
     n = len(g)
     curve = []
     for m in range(1, n + 1):
         pi = inclusion_probabilities(p, m)
+        if not shared:
+            curve.append((float((pi * (batch["prompt"] + batch["n"])).sum()), variance(g, pi)))
+            continue
         keep = torch.zeros(DRAWS, n, dtype=torch.bool)
         for d in range(DRAWS):
             keep[d, draw_systematic(p, m, gen).indices] = True
@@ -201,6 +209,8 @@ def analyse(paths: list[str], tokenizer=None) -> dict:
                     at = cost_at(today_curve(batch, g, kind, gen), target)
                     f[f"today_{kind}"].append(None if at is None else at / full)
                 f["nested"].append(nested_cost_at(batch, g, target) / full)
+                at = cost_at(today_curve(batch, g, "pc", gen, shared=False), target)
+                f["today_pc_unshared"].append(None if at is None else at / unshared_full)
     return {"batches": meta, "figures": {k: dict(v) for k, v in figures.items()}}
 
 
@@ -229,6 +239,10 @@ def summary(result: dict) -> str:
             missing = len(values) - len(got)
             cell = f"{sum(got) / len(got):.3f} [{min(got):.3f}, {max(got):.3f}]" if got else "never"
             lines.append(f"| {name} | {design} | {cell}" + (f" ({missing} batches never)" if missing else "") + " |")
+    for name, figs in result["figures"].items():
+        paired = [n / t for n, t in zip(figs["nested"], figs["today_pc"], strict=True) if t]
+        lines.append(f"| {name} | nested / today_pc, paired | {sum(paired) / len(paired):.3f} "
+                     f"[{min(paired):.3f}, {max(paired):.3f}] |")  # fmt: skip
     ratio = [b["shared_over_unshared"] for b in result["batches"]]
     lines.append("")
     lines.append(f"{len(ratio)} batches; the shared cost of all informative rows over their unshared cost: "

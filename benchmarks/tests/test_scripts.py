@@ -141,7 +141,7 @@ def test_shared_prompt_draw_smoke_and_nested_cost(tmp_path):
     spd.main(["--runs", str(record), "--out", str(tmp_path / "draw")], tokenizer=Chars())
     result = json.loads((tmp_path / "draw.json").read_text())
     for figures in result["figures"].values():
-        assert set(figures) == {"uniform", "today_pc", "today_c", "nested"}
+        assert set(figures) == {"uniform", "today_pc", "today_c", "nested", "today_pc_unshared"}
         assert all(len(v) == 2 and all(x is None or 0 < x <= 1.0001 for x in v) for v in figures.values())
     assert "| advantage | nested |" in (tmp_path / "draw.md").read_text()
 
