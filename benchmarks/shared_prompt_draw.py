@@ -24,6 +24,11 @@ Designs, over a batch's informative rows (A ≠ 0; the rest carry no policy grad
 Variance: the Horvitz–Thompson variance under §6's assumption (orthogonal row gradients), Σ_i G_i² (1/π_i − 1), with
 G_i the proxy (``advantage``: |A_i|; ``loss_aware`` at γ = 1/2 for dapo without log-probs: |A_i| √n_i).
 
+The assumption, checked where per-row gradients were measured (`real_model_rows.py` on SmolLM2's times-table
+rollouts, K = 8 prompts × G = 8; its noise parts `within`, `total` and `signal` are exact functions of
+a = Σ_i ‖x_i‖², b = Σ_k ‖S_k‖² / G and ‖T‖², which `cross_terms` inverts): Σ_k ‖S_k‖² / Σ_i ‖x_i‖² is 1 for
+orthogonal rows, and it is the factor by which drawing whole groups (nested, equal π) changes the design variance.
+
 Figure: per batch, the expected update cost (with sharing) at which a design has uniform-at-half's variance, as a
 fraction of the shared cost of all informative rows (linear between a fixed-size draw's m); mean over batches and
 [min, max]. The nested draw's figure is an upper bound on what a fixed-size version of it could save (its kept count
@@ -50,6 +55,7 @@ from trl_costaware.rows.sampling import draw_systematic, inclusion_probabilities
 
 RUNS = "benchmarks/results/real_model_learning_passage_table/runs/grpo*.json"
 OUT = "benchmarks/results/shared_prompt_draw"
+ROWS = "benchmarks/results/real_model_rows_smollm2.json"
 DRAWS = 400
 SMOOTHING = 0.1
 PROXIES = ("advantage", "loss_aware")
@@ -230,6 +236,23 @@ def uniform_curve(batch: dict, g: torch.Tensor) -> list[tuple[float, float]]:
     return out
 
 
+def cross_terms(path: str, prompts: int = 8, generations: int = 8) -> list[dict]:
+    """Per measured batch and loss family of a `real_model_rows.py` result: Σ_k ‖S_k‖² / Σ_i ‖x_i‖² (S_k the group
+    sum of the rows' loss gradients x_i), from its noise parts (within = (a − b) / (K(G−1)·KG), total =
+    (b/G − ‖T‖²/(KG²)) / ((K−1)K), signal = ‖T‖²/(KG)² − total)."""
+    k, g = prompts, generations
+    out = []
+    for model in json.load(open(path, encoding="utf-8"))["models"].values():
+        for batch in model["batches"]:
+            for family, figures in batch["families"].items():
+                noise = figures["noise"]
+                t2 = (k * g) ** 2 * (noise["signal"] + noise["total"])
+                b = g * (noise["total"] * k * (k - 1) + t2 / (k * g * g))
+                a = noise["within"] * k * (g - 1) * k * g + b
+                out.append({"mode": batch["mode"], "batch": batch["batch"], "family": family, "ratio": g * b / a})
+    return out
+
+
 def summary(result: dict) -> str:
     lines = ["| proxy | design | update cost to uniform-at-half's variance (mean [min, max] over batches) |",
              "|---|---|---|"]  # fmt: skip
@@ -247,6 +270,13 @@ def summary(result: dict) -> str:
     lines.append("")
     lines.append(f"{len(ratio)} batches; the shared cost of all informative rows over their unshared cost: "
                  f"{sum(ratio) / len(ratio):.3f} [{min(ratio):.3f}, {max(ratio):.3f}].")  # fmt: skip
+    if result.get("cross_terms"):
+        ratios = [c["ratio"] for c in result["cross_terms"]]
+        source, mean = result["cross_terms_source"], sum(ratios) / len(ratios)
+        lines.append(
+            f"Σ_k ‖S_k‖² / Σ_i ‖x_i‖² on {source} ({len(ratios)} batches × families × modes): {mean:.3f} "
+            f"[{min(ratios):.3f}, {max(ratios):.3f}] (1: orthogonal rows)."
+        )
     return "\n".join(lines)
 
 
@@ -254,12 +284,15 @@ def main(argv=None, tokenizer=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", nargs="*", help=f"run records (default {RUNS})")
     parser.add_argument("--out", default=OUT, help="writes <out>.json and <out>.md")
+    parser.add_argument("--rows", default=ROWS, help="a real_model_rows.py result for the cross-term check")
     args = parser.parse_args(argv)
     paths = args.runs or sorted(glob.glob(RUNS))
     if not paths:
         parser.error(f"no run records match {RUNS}")
     result = analyse(paths, tokenizer)
     result["runs"] = paths
+    if os.path.exists(args.rows):
+        result["cross_terms"], result["cross_terms_source"] = cross_terms(args.rows), args.rows
     text = summary(result)
     with open(f"{args.out}.json", "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=1)

@@ -138,12 +138,28 @@ def test_shared_prompt_draw_smoke_and_nested_cost(tmp_path):
     ]  # fmt: skip
     record = tmp_path / "grpo_shared__s0.json"
     record.write_text(json.dumps({"seed": 0, "groups": groups}))
-    spd.main(["--runs", str(record), "--out", str(tmp_path / "draw")], tokenizer=Chars())
+    # a real_model_rows result whose noise parts come from known row gradients x (K = 8 prompts x G = 8)
+    x = torch.randn(8, 8, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x[:, :4] += x[:, 4:]  # correlated rows within a group
+    a, sums = float((x**2).sum()), x.sum(1)
+    b, t2 = float((sums**2).sum()) / 8, float((sums.sum(0) ** 2).sum())
+    total = (b / 8 - t2 / (8 * 64)) / (7 * 8)
+    noise = {"within": (a - b) / (8 * 7) / 64, "total": total, "signal": t2 / 64**2 - total}
+    rows_json = tmp_path / "rows.json"
+    batch_record = {"mode": "full", "batch": 0, "families": {"dapo": {"noise": noise}}}
+    rows_json.write_text(json.dumps({"models": {"m": {"batches": [batch_record]}}}))
+    want = float((sums**2).sum()) / a
+    assert spd.cross_terms(str(rows_json))[0]["ratio"] == pytest.approx(want, rel=1e-9) and want > 1.1
+
+    spd.main(["--runs", str(record), "--out", str(tmp_path / "draw"), "--rows", str(rows_json)], tokenizer=Chars())
     result = json.loads((tmp_path / "draw.json").read_text())
     for figures in result["figures"].values():
         assert set(figures) == {"uniform", "today_pc", "today_c", "nested", "today_pc_unshared"}
         assert all(len(v) == 2 and all(x is None or 0 < x <= 1.0001 for x in v) for v in figures.values())
-    assert "| advantage | nested |" in (tmp_path / "draw.md").read_text()
+    assert (
+        "| advantage | nested |" in (tmp_path / "draw.md").read_text()
+        and "1: orthogonal rows" in (tmp_path / "draw.md").read_text()
+    )
 
     batch = spd.batches(json.loads(record.read_text()), spd.prompt_lengths(0, Chars()))[0]
     g = spd.proxy(batch, "loss_aware")
