@@ -275,8 +275,8 @@ def format_summary(summary: dict) -> str:
                 if b and c:
                     parts.append(f"{c / b:.2f}x its compute at {split_label(k, Split(**_split_fields(s)))}")
             lines.append(
-                f"Cost-Aware GRPO reached it with {', '.join(parts)} in this one run; one seed is an illustration, "
-                "the paired-seed results with intervals are in RESULTS.md."
+                f"Cost-Aware GRPO reached it with {', '.join(parts)} in this one run; one seed is an illustration: "
+                "compare seeds with `trl-costaware compare`."
             )
     saved = 1 - ca["policy_tokens"] / base["policy_tokens"]
     lines.append(

@@ -7,7 +7,7 @@ import json
 import sys
 
 from .._extras import require
-from .compute import SPLITS, parse_split
+from .compute import PUBLISHED_ALPHA, SPLITS, parse_split
 from .plot import PLOT_ALTERNATIVE, PLOT_FEATURE, plot
 from .readers import CompareError, load_runs
 from .report import format_report
@@ -81,8 +81,9 @@ def build_parser(prog: str = "trl-costaware compare") -> argparse.ArgumentParser
         default=1.0,
         metavar="A",
         help="generation time of a step ∝ (rows generated per step)^A, in [0, 1]: 1 (default) prices generation per "
-        "generated token; below 1 a batched accelerator generates more rows per second at larger batches (0.38 fits "
-        "PODS' published curve); matters only between arms that generate different rows per step",
+        f"generated token; below 1 a batched accelerator generates more rows per second at larger batches "
+        f"({PUBLISHED_ALPHA} fits PODS' published curve); matters only between arms that generate different rows per "
+        "step",
     )
     p.add_argument("--band", choices=("minmax", "std", "none"), default="minmax", help="band around the seed mean")
     p.add_argument("--minimize", action="store_true", help="lower is better (e.g. a loss)")
