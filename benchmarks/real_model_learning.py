@@ -118,7 +118,16 @@ ARMS: dict[str, dict] = {
     "loss_aware_0.25_8x16": {**KEPT_HALF, "cost_aware_kept_fraction": 0.25, "cost_aware_proxy": "loss_aware"},
     # each group's prompt run once in the update (`shared_prompt_forward`: the same gradients, fewer tokens)
     "grpo_shared": {"cost_aware": False, "shared_prompt_forward": True},
-    "loss_aware_0.5_shared": {**KEPT_HALF, "cost_aware_proxy": "loss_aware", "shared_prompt_forward": True},
+    # the row stage with sharing: the per-row draw (each row priced prompt + completion; a cost callable keeps the
+    # draw of package commits before the grouped one), and the grouped draw (a group's prompt priced once, its rows
+    # nested: `shared_prompt_scores`, `nested_order`)
+    "loss_aware_0.5_shared": {
+        **KEPT_HALF,
+        "cost_aware_proxy": "loss_aware",
+        "shared_prompt_forward": True,
+        "cost_aware_cost": "trl_costaware.rows.sampling:sequence_costs",
+    },
+    "loss_aware_0.5_grouped": {**KEPT_HALF, "cost_aware_proxy": "loss_aware", "shared_prompt_forward": True},
 }
 # Arms at another batch than the recipe's (prompts, rollouts per prompt) per step; the same 4 micro-batches.
 SHAPES: dict[str, tuple[int, int]] = {"grpo_4x8": (4, 8), "grpo_8x4": (8, 4), "loss_aware_0.25_8x16": (8, 16)}

@@ -17,6 +17,10 @@ Designs, over a batch's informative rows (A ≠ 0; the rest carry no policy grad
 - ``today_pc`` / ``today_c``: the package's draw (`sampling_distribution`, smoothing 0.1, `inclusion_probabilities`,
   `draw_systematic`) with c = prompt + completion or c = completion, m = 1 .. n; the expected shared cost of its
   touched groups by Monte Carlo over `DRAWS` draws;
+- ``today_grouped``: the package's draw with shared prompts (`shared_prompt_scores`, smoothing 0.1,
+  `inclusion_probabilities`, `draw_systematic` in `nested_order`), m = 1 .. n, cost by Monte Carlo as above;
+- ``at_runs_m``: at the passage runs' own kept count (m = 8, kept ½ of 4 × 4; batches with more informative rows),
+  the grouped draw's expected shared cost and design variance over today's (c = prompt + completion);
 - ``today_pc_unshared``: today's draw (c = prompt + completion) without sharing, its cost a fraction of the
   unshared cost of all informative rows (the setting the draw was derived for);
 - ``nested``: the derived draw (one uniform per group, row i kept iff U_g < π_i), π from the water-filling of §6
@@ -51,7 +55,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from real_model_learning import DATASET_N, task_dataset  # noqa: E402
 
-from trl_costaware.rows.sampling import draw_systematic, inclusion_probabilities, sampling_distribution  # noqa: E402
+from trl_costaware.rows.sampling import (  # noqa: E402
+    draw_systematic,
+    inclusion_probabilities,
+    sampling_distribution,
+    shared_prompt_scores,
+)
 
 RUNS = "benchmarks/results/real_model_learning_passage_table/runs/grpo*.json"
 OUT = "benchmarks/results/shared_prompt_draw"
@@ -59,6 +68,7 @@ ROWS = "benchmarks/results/real_model_rows_smollm2.json"
 DRAWS = 400
 SMOOTHING = 0.1
 PROXIES = ("advantage", "loss_aware")
+KEPT_COUNT = 8  # the passage runs' m: kept ½ of 4 prompts × 4 rollouts
 
 
 def prompt_lengths(seed: int, tokenizer) -> dict[tuple[int, int, int], float]:
@@ -114,13 +124,25 @@ def variance(g: torch.Tensor, pi: torch.Tensor) -> float:
     return float((g**2 * (1 / pi.clamp(min=1e-12) - 1)).sum())
 
 
+def draw_distribution(batch: dict, g: torch.Tensor, cost_kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The package's sampling distribution (smoothing 0.1) for `cost_kind` ("pc", "c", "grouped"), and the groups the
+    grouped draw nests (None otherwise)."""
+    if cost_kind == "grouped":
+        groups = batch["group"]
+        return sampling_distribution(
+            shared_prompt_scores(g, batch["prompt"] - 1, batch["n"] + 1, groups), SMOOTHING
+        ), groups
+    c = batch["n"] + (batch["prompt"] if cost_kind == "pc" else 0)
+    return sampling_distribution(g / c.sqrt(), SMOOTHING), None
+
+
 def today_curve(
     batch: dict, g: torch.Tensor, cost_kind: str, gen: torch.Generator, shared: bool = True
 ) -> list[tuple[float, float]]:
     """(expected cost, variance) of the package's fixed-size draw at m = 1 .. n; the cost with sharing (Monte Carlo)
-    or, with `shared` False, without it (Σ π_i (P_i + n_i), exact)."""
-    c = batch["n"] + (batch["prompt"] if cost_kind == "pc" else 0)
-    p = sampling_distribution(g / c.sqrt(), SMOOTHING)
+    or, with `shared` False, without it (Σ π_i (P_i + n_i), exact). `cost_kind` "pc" (c = prompt + completion), "c"
+    (c = completion) or "grouped" (the draw with shared prompts: `shared_prompt_scores` and `nested_order`)."""
+    p, groups = draw_distribution(batch, g, cost_kind)
     n = len(g)
     curve = []
     for m in range(1, n + 1):
@@ -130,7 +152,7 @@ def today_curve(
             continue
         keep = torch.zeros(DRAWS, n, dtype=torch.bool)
         for d in range(DRAWS):
-            keep[d, draw_systematic(p, m, gen).indices] = True
+            keep[d, draw_systematic(p, m, gen, groups=groups).indices] = True
         curve.append((float(shared_cost(batch, keep).mean()), variance(g, pi)))
     return curve
 
@@ -211,13 +233,28 @@ def analyse(paths: list[str], tokenizer=None) -> dict:
                 target = variance(g, torch.full_like(g, 0.5))
                 f = figures[name]
                 f["uniform"].append(cost_at(uniform_curve(batch, g), target) / full)
-                for kind in ("pc", "c"):
+                for kind in ("pc", "c", "grouped"):
                     at = cost_at(today_curve(batch, g, kind, gen), target)
                     f[f"today_{kind}"].append(None if at is None else at / full)
                 f["nested"].append(nested_cost_at(batch, g, target) / full)
                 at = cost_at(today_curve(batch, g, "pc", gen, shared=False), target)
                 f["today_pc_unshared"].append(None if at is None else at / unshared_full)
+                if len(g) > KEPT_COUNT:  # below it the runs keep every informative row, with either draw
+                    f["at_runs_m"].append(at_kept_count(batch, g, KEPT_COUNT, gen))
     return {"batches": meta, "figures": {k: dict(v) for k, v in figures.items()}}
+
+
+def at_kept_count(batch: dict, g: torch.Tensor, m: int, gen: torch.Generator) -> dict:
+    """Today's draw (c = prompt + completion) and the grouped draw at one kept count m: each one's expected shared
+    cost (Monte Carlo) and design variance, and the grouped draw's over today's."""
+    out = {}
+    for kind in ("pc", "grouped"):
+        p, groups = draw_distribution(batch, g, kind)
+        keep = torch.zeros(DRAWS, len(g), dtype=torch.bool)
+        for d in range(DRAWS):
+            keep[d, draw_systematic(p, m, gen, groups=groups).indices] = True
+        out[kind] = (float(shared_cost(batch, keep).mean()), variance(g, inclusion_probabilities(p, m)))
+    return {"cost_ratio": out["grouped"][0] / out["pc"][0], "variance_ratio": out["grouped"][1] / out["pc"][1]}
 
 
 def uniform_curve(batch: dict, g: torch.Tensor) -> list[tuple[float, float]]:
@@ -258,14 +295,22 @@ def summary(result: dict) -> str:
              "|---|---|---|"]  # fmt: skip
     for name, figs in result["figures"].items():
         for design, values in figs.items():
+            if design == "at_runs_m":
+                continue
             got = [v for v in values if v is not None]
             missing = len(values) - len(got)
             cell = f"{sum(got) / len(got):.3f} [{min(got):.3f}, {max(got):.3f}]" if got else "never"
             lines.append(f"| {name} | {design} | {cell}" + (f" ({missing} batches never)" if missing else "") + " |")
     for name, figs in result["figures"].items():
-        paired = [n / t for n, t in zip(figs["nested"], figs["today_pc"], strict=True) if t]
-        lines.append(f"| {name} | nested / today_pc, paired | {sum(paired) / len(paired):.3f} "
-                     f"[{min(paired):.3f}, {max(paired):.3f}] |")  # fmt: skip
+        at = figs.get("at_runs_m", [])
+        for key in ("cost_ratio", "variance_ratio") if at else ():
+            v = [a[key] for a in at]
+            what = f"today_grouped / today_pc at the runs' m = {KEPT_COUNT}, {key.split('_')[0]} ({len(v)} batches)"
+            lines.append(f"| {name} | {what} | {sum(v) / len(v):.3f} [{min(v):.3f}, {max(v):.3f}] |")
+        for design in ("nested", "today_grouped"):
+            paired = [n / t for n, t in zip(figs[design], figs["today_pc"], strict=True) if n and t]
+            lines.append(f"| {name} | {design} / today_pc, paired | {sum(paired) / len(paired):.3f} "
+                         f"[{min(paired):.3f}, {max(paired):.3f}] |")  # fmt: skip
     ratio = [b["shared_over_unshared"] for b in result["batches"]]
     lines.append("")
     lines.append(f"{len(ratio)} batches; the shared cost of all informative rows over their unshared cost: "

@@ -718,3 +718,95 @@ def test_token_budget_on_a_skewed_batch_keeps_its_promise():
             float(costs[plan_batch(rows, PlanSettings(loss_type="dapo", token_budget=200.0), g).indices].sum())
         )
     assert np.mean(spent) <= 200.0 * 1.03
+
+
+# --- the draw with shared prompts ---------------------------------------------------------------------------------
+
+
+def _shared_cost_j(s, g, prompt, r, groups) -> float:
+    """J(s) = (Σ G²/π)(Σ π r + Σ_g P_g max_{i∈g} π) for π ∝ s (scale-free), the objective `shared_prompt_scores`
+    minimises."""
+    pos = g > 0
+    variance = float((g[pos] ** 2 / s[pos]).sum())
+    cost = float((s * r).sum()) + sum(float(prompt[groups == k][0] * s[groups == k].max()) for k in groups.unique())
+    return variance * cost
+
+
+@st.composite
+def grouped_batch(draw):
+    sizes = draw(st.lists(st.integers(1, 6), min_size=1, max_size=5))
+    groups = torch.tensor([k for k, size in enumerate(sizes) for _ in range(size)])
+    n = len(groups)
+    g = torch.tensor(draw(st.lists(st.floats(0.05, 3.0), min_size=n, max_size=n)), dtype=torch.float64)
+    r = torch.tensor(draw(st.lists(st.floats(1.0, 300.0), min_size=n, max_size=n)), dtype=torch.float64)
+    per_group = draw(st.lists(st.floats(1.0, 2000.0), min_size=len(sizes), max_size=len(sizes)))
+    prompt = torch.tensor(per_group, dtype=torch.float64)[groups]
+    return g, prompt, r, groups
+
+
+@FAST
+@given(grouped_batch(), st.integers(0, 2**31 - 1))
+def test_shared_prompt_scores_minimise_variance_times_cost(batch, seed):
+    """No other positive score vector has a smaller J: not the per-row draws (c = prompt + completion, c =
+    completion), not uniform, not random perturbations of the scores themselves."""
+    g, prompt, r, groups = batch
+    s = sampling.shared_prompt_scores(g, prompt, r, groups)
+    assert (s > 0).all()
+    best = _shared_cost_j(s, g, prompt, r, groups)
+    gen = torch.Generator().manual_seed(seed)
+    others = [g / (prompt + r).sqrt(), g / r.sqrt(), torch.ones_like(g)]
+    others += [s * torch.exp(0.3 * torch.randn(len(s), generator=gen, dtype=torch.float64)) for _ in range(8)]
+    for other in others:
+        assert best <= _shared_cost_j(other, g, prompt, r, groups) * (1 + 1e-9)
+
+
+def test_shared_prompt_scores_share_the_prompt_within_the_top_set():
+    """A long prompt: every row of the group joins the top set, which shares t = √(Σ G²) / √(P + Σ r); a row whose
+    G/√r is below t keeps its own score."""
+    g = torch.tensor([1.0, 1.0, 1.0, 0.01], dtype=torch.float64)
+    r = torch.tensor([10.0, 20.0, 30.0, 10.0], dtype=torch.float64)
+    s = sampling.shared_prompt_scores(g, torch.full((4,), 500.0), r, torch.zeros(4))
+    t = math.sqrt(3.0 / (500.0 + 60.0))
+    assert torch.allclose(s[:3], torch.full((3,), t, dtype=torch.float64))
+    assert math.isclose(float(s[3]), 0.01 / math.sqrt(10.0))
+
+
+def _inclusion_frequencies(p, m, groups, draws, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kept = torch.zeros(draws, len(p))
+    for d in range(draws):
+        kept[d, draw_systematic(p, m, gen, groups=groups).indices] = 1.0
+    return kept
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_nested_draw_keeps_each_row_with_probability_pi(seed):
+    """Whatever the order, the systematic draw's marginals are π: frequencies within 4.5 standard errors over 4,000
+    draws, on groups of unequal size and unequal π."""
+    gen = torch.Generator().manual_seed(100 + seed)
+    groups = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2, 3])
+    p = torch.rand(len(groups), generator=gen, dtype=torch.float64) + 0.05
+    p = p / p.sum()
+    m = 5
+    pi = inclusion_probabilities(p, m)
+    kept = _inclusion_frequencies(p, m, groups, 4000, seed)
+    assert (kept.sum(1) == m).all()
+    se = (pi * (1 - pi) / 4000).sqrt().clamp(min=1e-3)
+    assert ((kept.mean(0).double() - pi).abs() <= 4.5 * se).all(), (kept.mean(0), pi)
+
+
+def test_nested_draw_keeps_equal_probability_groups_whole():
+    """Groups whose rows share one π, m a multiple of the group size: every draw keeps whole groups (touched with
+    probability max π, the least possible), while the random order keeps groups whole far less often."""
+    groups = torch.arange(4).repeat_interleave(4)
+    p = torch.tensor([0.9, 0.5, 0.4, 0.2], dtype=torch.float64).repeat_interleave(4)
+    p = p / p.sum()
+    kept = _inclusion_frequencies(p, 8, groups, 500)
+    per_group = kept.view(500, 4, 4).sum(-1)
+    assert ((per_group == 0) | (per_group == 4)).all()
+    gen = torch.Generator().manual_seed(0)
+    random_order = torch.zeros(500, 16)
+    for d in range(500):
+        random_order[d, draw_systematic(p, 8, gen).indices] = 1.0
+    touched = lambda k: (k.view(500, 4, 4).sum(-1) > 0).sum(1).double().mean()  # noqa: E731
+    assert touched(kept) == 2.0 and touched(random_order) > 2.5

@@ -302,8 +302,10 @@ OPTIONS = {
     # β > 0 with a reference that differs from the policy: the KL term has a gradient (~0.3 ‖g‖ here); the target is
     # the policy term, which the weights make unbiased (the KL term is the kept rows' KL: `test_kl_term_*` below)
     "beta_perturbed_reference": dict(beta=0.1, perturbed_reference=0.05),
+    # the draw with shared prompts (`shared_prompt_scores`, rows nested by group); every loss type in `make test-all`
+    "shared_prompts": dict(shared_prompt_forward=True),
 }
-THREE_LOSSES = ("truncation_mask", "beta", "even_layout", "spg_2x_ga", "beta_perturbed_reference")
+THREE_LOSSES = ("truncation_mask", "beta", "even_layout", "spg_2x_ga", "beta_perturbed_reference", "shared_prompts")
 MATRIX = [pytest.param(lt, micro, {}, id=f"{lt}-micro{micro}") for lt in LOSS_TYPES for micro in (1, 2)] + [
     pytest.param(lt, 2, opts, id=f"{lt}-micro2-{name}")
     for name, opts in OPTIONS.items()
@@ -395,7 +397,7 @@ def test_matrix_controls_fail(warm_model_path, dataset, tmp_path, monkeypatch, c
 @pytest.mark.parametrize(
     ("loss_type", "name"),
     [("grpo", "spg_2x_ga"), ("grpo", "num_iterations_2_second"), ("grpo", "beta_perturbed_reference")]
-    + [("dapo", "beta_perturbed_reference")],
+    + [("dapo", "beta_perturbed_reference"), ("grpo", "shared_prompts"), ("dapo", "shared_prompts")],
 )
 def test_new_coverage_weights_one_control_fails(warm_model_path, dataset, tmp_path, monkeypatch, loss_type, name):
     """The cases added for spg = 2 × GA, the second iteration and the perturbed reference see the same deliberate
@@ -421,8 +423,16 @@ def test_plain_statistic_sees_the_draw(warm_model_path, dataset, tmp_path, monke
 
 
 # ---------------------------------------------------------------- the matrix at full K (make test-all)
+# the shared-prompt draw for the loss types `make test` leaves out (it runs one of each normaliser family)
+MATRIX_FULL = MATRIX + [
+    pytest.param(lt, 2, OPTIONS["shared_prompts"], id=f"{lt}-micro2-shared_prompts")
+    for lt in LOSS_TYPES
+    if lt not in ("grpo", "dapo", "bnpo")
+]
+
+
 @pytest.mark.mc_full
-@pytest.mark.parametrize(("loss_type", "micro", "options"), MATRIX)
+@pytest.mark.parametrize(("loss_type", "micro", "options"), MATRIX_FULL)
 def test_unbiased_matrix_full(warm_model_path, dataset, tmp_path, monkeypatch, loss_type, micro, options):
     """The plain projection t, K sized from a pilot so that a 5% relative bias of the whole pipeline is detected with
     ≥ 90% probability; the same draws against the target scaled by ±5% must be flagged."""

@@ -8,6 +8,7 @@ a `make` target, a script and options that exist. The scripts with tests of thei
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -154,7 +155,7 @@ def test_shared_prompt_draw_smoke_and_nested_cost(tmp_path):
     spd.main(["--runs", str(record), "--out", str(tmp_path / "draw"), "--rows", str(rows_json)], tokenizer=Chars())
     result = json.loads((tmp_path / "draw.json").read_text())
     for figures in result["figures"].values():
-        assert set(figures) == {"uniform", "today_pc", "today_c", "nested", "today_pc_unshared"}
+        assert set(figures) == {"uniform", "today_pc", "today_c", "today_grouped", "nested", "today_pc_unshared"}
         assert all(len(v) == 2 and all(x is None or 0 < x <= 1.0001 for x in v) for v in figures.values())
     assert (
         "| advantage | nested |" in (tmp_path / "draw.md").read_text()
@@ -165,6 +166,10 @@ def test_shared_prompt_draw_smoke_and_nested_cost(tmp_path):
     g = spd.proxy(batch, "loss_aware")
     pi = spd.nested_pi(batch, g, 2e-3)
     assert ((pi > 0) & (pi <= 1)).all()
+    # the package's scores are this water-filling's π without the multiplier λ (where no π reaches the cap of 1)
+    scores = spd.shared_prompt_scores(g, batch["prompt"] - 1, batch["n"] + 1, batch["group"])
+    small = spd.nested_pi(batch, g, 100.0)
+    assert small.max() < 1 and torch.allclose(scores / math.sqrt(100.0), small, rtol=1e-9)
     u = torch.rand(20000, int(batch["group"].max()) + 1, generator=torch.Generator().manual_seed(0))
     keep = u[:, batch["group"].long()] < pi
     assert float(spd.shared_cost(batch, keep).mean()) == pytest.approx(spd.nested_point(batch, g, 2e-3)[0], rel=0.02)
