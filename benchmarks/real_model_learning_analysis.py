@@ -9,8 +9,9 @@ records (`real_model_learning.train`'s result files):
 - a curve point per evaluation: step, held-out score (T = 1) and greedy, cumulative policy and generated tokens,
   measured seconds (the step clock, evaluation excluded), this process's CPU seconds where recorded (else the step
   clock), and compute priced by a published GPU split over the whole GRPO run (for Δ at equal compute);
-- the target: the start score + a fraction (0.8, 0.5) of GRPO's (8 x 8) mean gain at its last step; the cost to it is
-  read on the curve by linear interpolation between evaluations (None: not reached);
+- the target: the start score + a fraction (0.8, 0.5) of GRPO's mean gain at its last step (GRPO at the task's own
+  batch, arm ``grpo``: 8 x 8 on times tables, 4 x 4 on the passage task); the cost to it is read on the curve by
+  linear interpolation between evaluations (None: not reached);
 - compute to the target in GRPO-step units (`price`): the generation share `s` of GRPO's step calibrated on the same
   seed's GRPO tokens per step up to its own crossing of the target, generation priced by the rows B generated per
   step as ∝ B^α (`trl_costaware.tracking.compare.compute`: α = 1 per generated token, α = 0 fixed per step,
@@ -187,7 +188,7 @@ def price(cross: dict, ref: dict, rows: float, ref_rows: float, share: float, al
 
 
 def frontier(runs: dict, curves: dict, target: float, shares: list[float], alphas: list[float]) -> dict:
-    """For each generation share and α: every arm's compute to `target` per seed as a ratio to GRPO (8 x 8) of the
+    """For each generation share and α: every arm's compute to `target` per seed as a ratio to GRPO (arm `grpo`) of the
     same seed, GRPO's best batch (the GRPO arm with the least mean ratio), and each arm's ratio to that batch."""
     arms = sorted({a for a, _ in runs}, key=lambda a: (a not in GRPO_ARMS, a))
     out = {}
@@ -364,6 +365,10 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
             weights = {name: token_weights(SPLIT_TABLE[name], gen, pol) for name in SPLITS}
         curves[(arm, seed)] = curve(run, weights)
     out: dict = {"arms": arms, "seeds": {a: sorted(s for b, s in runs if b == a) for a in arms}, "curves": {}}
+    first = next(run for (arm, _), run in sorted(runs.items()) if arm == BASELINE or not base_seeds)
+    shape = first.get("shape", {"prompts": 8, "generations": 8})
+    out["task"] = first.get("task", "times_table")
+    out["baseline_shape"] = f"{shape['prompts']} x {shape['generations']}"
     for (arm, seed), pts in curves.items():
         out["curves"][f"{arm}__s{seed}"] = pts
     if not base_seeds:
@@ -517,9 +522,11 @@ def _iv(iv: dict, fmt: str = "{:.2f}") -> str:
 
 
 def report(s: dict) -> str:
-    lines = ["# Learning benchmark on SmolLM2-135M-Instruct (times tables)", ""]
-    lines.append("Command: `make bench-real-model-learning` (`python benchmarks/real_model_learning.py`); runs in")
-    lines.append("`benchmarks/results/real_model_learning/runs/`; this file from `--analyse`.")
+    task, shape = s.get("task", "times_table"), s.get("baseline_shape", "8 x 8")
+    folder = "real_model_learning" if task == "times_table" else f"real_model_learning_{task}"
+    lines = [f"# Learning benchmark on SmolLM2-135M-Instruct (task {task})", ""]
+    lines.append(f"Command: `python benchmarks/real_model_learning.py --task {task}`; runs in")
+    lines.append(f"`benchmarks/results/{folder}/runs/`; this file from `--analyse`.")
     lines.append("")
     lines.append("| arm | seeds |")
     lines.append("|---|---|")
@@ -540,7 +547,9 @@ def report(s: dict) -> str:
     for frac, t in s["targets"].items():
         lines.append(f"## Cost to the target: start + {float(frac):.0%} of GRPO's gain (score {t['target']:.3f})")
         lines.append("")
-        lines.append("Ratio to GRPO (8 x 8) of the same seed: mean [95% t-interval over seeds] (per-seed values); not")
+        lines.append(
+            f"Ratio to GRPO ({shape}) of the same seed: mean [95% t-interval over seeds] (per-seed values); not"
+        )
         lines.append(
             "reached: seeds that never reach it in the run. Compute: generation priced per generated token at"
         )
@@ -653,17 +662,18 @@ def report(s: dict) -> str:
 
 
 def frontier_report(s: dict) -> list[str]:
-    """The frontier section: compute to the 80% target by pricing, against GRPO (8 x 8) and GRPO's best batch."""
+    """The frontier section: compute to the 80% target by pricing, against GRPO (arm `grpo`) and GRPO's best batch."""
     if not s.get("frontier"):
         return []
     lines = ["", f"## The frontier: compute to start + {TARGET_FRACTIONS[0]:.0%} of GRPO's gain, by pricing", ""]
-    lines.append("Generation share s of GRPO's (8 x 8) step, calibrated on its steps up to the target; generation")
+    shape = s.get("baseline_shape", "8 x 8")
+    lines.append(f"Generation share s of GRPO's ({shape}) step, calibrated on its steps up to the target; generation")
     lines.append("time ∝ (rows generated per step)^α (α = 1: per generated token; α = 0: fixed per step;")
     lines.append(f"{PUBLISHED_ALPHA:g}: PODS' published curve); the rest per policy token. Per arm: ratio to GRPO")
-    lines.append("(8 x 8), and to GRPO at its best batch (the GRPO arm with the least mean ratio at that pricing),")
+    lines.append(f"({shape}), and to GRPO at its best batch (the GRPO arm with the least mean ratio at that pricing),")
     lines.append("paired by seed: mean [95% t-interval] (per-seed values).")
     lines.append("")
-    lines.append("| pricing | GRPO's best batch | arm | ratio to GRPO 8 x 8 | ratio to GRPO's best batch |")
+    lines.append(f"| pricing | GRPO's best batch | arm | ratio to GRPO {shape} | ratio to GRPO's best batch |")
     lines.append("|---|---|---|---|---|")
     for t in s["frontier"].values():
         pricing = f"s {t['share']:.2f}, α {t['alpha']:g}"
@@ -697,7 +707,7 @@ def _break_even(be: dict) -> str:
 
 
 def plot_frontier(s: dict, path: str) -> None:
-    """Compute to the target (ratio to GRPO 8 x 8, mean over seeds) against the generation share, one panel per α,
+    """Compute to the target (ratio to GRPO `grpo`, mean over seeds) against the generation share, one panel per α,
     one line per arm; the break-even α of the row stage against the smaller batch in the titles' note."""
     import matplotlib
 
@@ -765,8 +775,8 @@ def plot(s: dict, path: str) -> None:
     axes[0].set_ylabel("held-out score (T = 1)")
     axes[0].legend(fontsize=8)
     fig.suptitle(
-        "SmolLM2-135M-Instruct, times tables, LoRA r 16, cap 64; 8 prompts x 8 unless the arm says (mean over seeds, "
-        "thin: seeds)"
+        f"SmolLM2-135M-Instruct, task {s.get('task', 'times_table')}, LoRA r 16, cap 64; "
+        f"{s.get('baseline_shape', '8 x 8')} unless the arm says (mean over seeds, thin: seeds)"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
