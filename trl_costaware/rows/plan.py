@@ -9,8 +9,8 @@
    expected kept cost Σ π_i(m) c_i fits it, `sampling.kept_rows_for_token_budget`), smallest over ranks, then capped
    at what the busiest rank's eligible rows need (`sampling.capped_kept_count`);
 4. the systematic draw (`sampling.draw_systematic`; with shared prompts in `sampling.nested_order`); when this rank
-   has fewer eligible rows than m, the remaining
-   slots go, for sure, to the cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
+   has fewer eligible rows than m, the remaining slots go, for sure, to the cheapest rows the loss sees: FILLER rows,
+   which carry no policy gradient;
 5. the weights: the draw's unbiasing weights of the kept non-filler rows of all ranks, normalised together
    (`sampling.normalize_weights`) around the design's expected mean weight w̄₀ of those slots
    (`sampling.design_weight_terms`, summed over ranks: |S|/N on one rank, not 1, since rows outside S are never
