@@ -365,7 +365,7 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
             weights = {name: token_weights(SPLIT_TABLE[name], gen, pol) for name in SPLITS}
         curves[(arm, seed)] = curve(run, weights)
     out: dict = {"arms": arms, "seeds": {a: sorted(s for b, s in runs if b == a) for a in arms}, "curves": {}}
-    first = next(run for (arm, _), run in sorted(runs.items()) if arm == BASELINE or not base_seeds)
+    first = ([run for (arm, _), run in runs.items() if arm == BASELINE] or list(runs.values()))[0]
     shape = first.get("shape", {"prompts": 8, "generations": 8})
     out["task"] = first.get("task", "times_table")
     out["baseline_shape"] = f"{shape['prompts']} x {shape['generations']}"
