@@ -18,7 +18,10 @@ rollouts per generation batch and per optimizer step (4 micro-batches of 16 rows
 Arms (`ARMS`, every field explicit): ``grpo`` (``cost_aware=False``) and the row stage at kept 0.5 with the
 ``advantage``, ``loss_aware`` and ``uniform`` proxies, plain Horvitz-Thompson weights; GRPO's own alternatives, at
 another batch (`SHAPES`: ``grpo_4x8``, ``grpo_8x4``) or dropping only the rows without gradient (``filter_only``);
-and generating more to keep a subset (``loss_aware_0.25_8x16``).
+and generating more to keep a subset (``loss_aware_0.25_8x16``). With each group's prompt run once in the update
+(``shared_prompt_forward``, for the passage task): ``grpo_shared`` (and at half the prompts, ``grpo_shared_4x8``),
+``filter_only_shared``, and the row stage with the per-row and the grouped draw (``loss_aware_0.5_shared``,
+``loss_aware_0.5_grouped``).
 
 Tasks (`TASKS`): times tables (prompts of about 40 tokens) and the passage task (the same question behind 1 to 38
 notes, about 75 to 800 tokens: `trl_costaware.embedded.passage_table`).
@@ -118,6 +121,14 @@ ARMS: dict[str, dict] = {
     "loss_aware_0.25_8x16": {**KEPT_HALF, "cost_aware_kept_fraction": 0.25, "cost_aware_proxy": "loss_aware"},
     # each group's prompt run once in the update (`shared_prompt_forward`: the same gradients, fewer tokens)
     "grpo_shared": {"cost_aware": False, "shared_prompt_forward": True},
+    # GRPO's own alternatives with sharing: half the prompts, and dropping only the rows without gradient
+    "grpo_shared_4x8": {"cost_aware": False, "shared_prompt_forward": True},
+    "filter_only_shared": {
+        **KEPT_HALF,
+        "cost_aware_kept_fraction": 1.0,
+        "cost_aware_proxy": "advantage",
+        "shared_prompt_forward": True,
+    },
     # the row stage with sharing: the per-row draw (each row priced prompt + completion; a cost callable keeps the
     # draw of package commits before the grouped one), and the grouped draw (a group's prompt priced once, its rows
     # nested: `shared_prompt_scores`, `nested_order`)
@@ -130,7 +141,12 @@ ARMS: dict[str, dict] = {
     "loss_aware_0.5_grouped": {**KEPT_HALF, "cost_aware_proxy": "loss_aware", "shared_prompt_forward": True},
 }
 # Arms at another batch than the recipe's (prompts, rollouts per prompt) per step; the same 4 micro-batches.
-SHAPES: dict[str, tuple[int, int]] = {"grpo_4x8": (4, 8), "grpo_8x4": (8, 4), "loss_aware_0.25_8x16": (8, 16)}
+SHAPES: dict[str, tuple[int, int]] = {
+    "grpo_4x8": (4, 8),
+    "grpo_8x4": (8, 4),
+    "grpo_shared_4x8": (4, 8),
+    "loss_aware_0.25_8x16": (8, 16),
+}
 # A task's run where it differs from times tables'. Passage task: a GRPO step at 8 x 8 took 662 CPU s on this machine
 # (the update 0.74 of it), at 4 x 4 161 s; so 4 prompts x 4 in 2 micro-batches, 40 steps, and a smaller evaluation
 # (its prompts make every generation longer). An arm's `SHAPES` entry scales the task's batch by the same factors.

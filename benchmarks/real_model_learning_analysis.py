@@ -47,6 +47,7 @@ TARGET_FRACTIONS = (0.8, 0.5)
 SPLITS = ("gpu", "gpu_gen77")
 BASELINE = "grpo"
 GRPO_ARMS = ("grpo", "grpo_4x8", "grpo_8x4")  # GRPO at its batches: its best is the one that costs least
+SHARED_GRPO_ARMS = ("grpo_shared", "grpo_shared_4x8")  # the same with each group's prompt run once in the update
 ROW_STAGE, SMALLER_BATCHES = "loss_aware_0.5", ("grpo_4x8", "grpo_8x4")  # break-even α: the row stage vs each
 FRONTIER_ALPHAS = (1.0, PUBLISHED_ALPHA, 0.0)  # per generated token; PODS' published curve; fixed per step
 SWEEP_SHARES = tuple(i / 10 for i in range(11))  # the figure's generation shares
@@ -209,23 +210,39 @@ def frontier(runs: dict, curves: dict, target: float, shares: list[float], alpha
                     cost = price(cross, ref, rows_per_step(run), rows_per_step(runs[(BASELINE, seed)]), share, alpha)
                     by_seed[seed] = None if cost is None else cost / ref["step"]
                 table[arm] = by_seed
-            # GRPO's best batch: the least mean ratio over the seeds every GRPO arm has reached the target in
-            grpo = [a for a in GRPO_ARMS if a in table]
-            common = (
-                set.intersection(*({s for s, v in table[a].items() if v is not None} for a in grpo)) if grpo else set()
-            )
-            means = {a: sum(table[a][s] for s in common) / len(common) for a in grpo} if common else {}
-            best = min(means, key=means.get) if means else None
+            best = best_batch(table, GRPO_ARMS)
+            best_shared = best_batch(table, SHARED_GRPO_ARMS)
             rows = {}
             for arm, by_seed in table.items():
-                vs_best = []
-                for seed, v in by_seed.items():
-                    b = table[best].get(seed) if best is not None else None
-                    vs_best.append(v / b if v is not None and b else None)
                 rows[arm] = {"by_seed": by_seed, "ratio": interval(list(by_seed.values())),
-                             "vs_best_grpo": interval(vs_best)}  # fmt: skip
-            out[key] = {"share": share, "alpha": alpha, "best_grpo": best, "arms": rows}
+                             "vs_best_grpo": _paired_ratio(by_seed, table.get(best))}  # fmt: skip
+                if best_shared is not None:
+                    rows[arm]["vs_best_grpo_shared"] = _paired_ratio(by_seed, table[best_shared])
+            out[key] = {"share": share, "alpha": alpha, "best_grpo": best, "best_grpo_shared": best_shared,
+                        "arms": rows}  # fmt: skip
     return out
+
+
+def best_batch(table: dict, family: tuple[str, ...]) -> str | None:
+    """GRPO's best batch in `family`: the arm with the least mean ratio over the seeds in which every arm of the
+    family that ran has reached the target; None when no arm of it ran or no seed is common."""
+    arms = [a for a in family if a in table]
+    if not arms:
+        return None
+    common = set.intersection(*({s for s, v in table[a].items() if v is not None} for a in arms))
+    if not common:
+        return None
+    means = {a: sum(table[a][s] for s in common) / len(common) for a in arms}
+    return min(means, key=means.get)
+
+
+def _paired_ratio(by_seed: dict, best: dict | None) -> dict:
+    """The interval of an arm's ratio over the best batch's, seed by seed (None where either did not reach)."""
+    values = []
+    for seed, v in by_seed.items():
+        b = best.get(seed) if best is not None else None
+        values.append(v / b if v is not None and b else None)
+    return interval(values)
 
 
 def break_even_alpha(runs: dict, curves: dict, target: float, share: float, a: str, b: str) -> dict | None:
@@ -673,14 +690,22 @@ def frontier_report(s: dict) -> list[str]:
     lines.append(f"({shape}), and to GRPO at its best batch (the GRPO arm with the least mean ratio at that pricing),")
     lines.append("paired by seed: mean [95% t-interval] (per-seed values).")
     lines.append("")
-    lines.append(f"| pricing | GRPO's best batch | arm | ratio to GRPO {shape} | ratio to GRPO's best batch |")
-    lines.append("|---|---|---|---|---|")
+    shared = any(t.get("best_grpo_shared") for t in s["frontier"].values())
+    if shared:
+        lines.append("With sharing: the same against GRPO with `shared_prompt_forward` at its best batch.")
+        lines.append("")
+    head = f"| pricing | GRPO's best batch | arm | ratio to GRPO {shape} | ratio to GRPO's best batch |"
+    lines.append(head + (" GRPO with sharing's best | ratio to it |" if shared else ""))
+    lines.append("|---|---|---|---|---|" + ("---|---|" if shared else ""))
     for t in s["frontier"].values():
         pricing = f"s {t['share']:.2f}, α {t['alpha']:g}"
         for arm, row in t["arms"].items():
-            lines.append(
-                f"| {pricing} | {t['best_grpo'] or '—'} | {arm} | {_iv(row['ratio'])} | {_iv(row['vs_best_grpo'])} |"
-            )
+            best, vs_best = t["best_grpo"] or "—", _iv(row["vs_best_grpo"])
+            line = f"| {pricing} | {best} | {arm} | {_iv(row['ratio'])} | {vs_best} |"
+            if shared:
+                vs_shared = _iv(row.get("vs_best_grpo_shared") or interval([]))
+                line += f" {t.get('best_grpo_shared') or '—'} | {vs_shared} |"
+            lines.append(line)
     be = s.get("break_even_alpha", {})
     if be:
         lines.append("")

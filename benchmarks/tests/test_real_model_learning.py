@@ -237,6 +237,15 @@ def test_frontier_prices_by_generation_share_and_alpha():
     assert against["0.3"]["alpha"] == pytest.approx(1 - math.log2(2.35 / 1.5), abs=2e-3)
     assert s["break_even_alpha"]["grpo_8x4"]["0.55"] is None  # no such run
     assert "## The frontier" in rmla.report(s)
+    assert one["best_grpo_shared"] is None and "GRPO with sharing's best" not in rmla.report(s)
+    # GRPO with each prompt run once (the row stage's tokens, GRPO's steps): its own best batch, its own ratio column
+    for seed in range(3):
+        runs[("grpo_shared", seed)] = _record("grpo_shared", seed, [0.1, 0.5, 0.9], 1000, 1000, 7.0)
+    shared = rmla.summarise(runs)["frontier"]["s0.55_a1"]
+    assert shared["best_grpo"] == "grpo_4x8" and shared["best_grpo_shared"] == "grpo_shared"
+    # GRPO with sharing: 0.55·8 + 0.45·4 = 6.2 GRPO steps
+    assert shared["arms"]["loss_aware_0.5"]["vs_best_grpo_shared"]["mean"] == pytest.approx(6.975 / 6.2, rel=1e-3)
+    assert "GRPO with sharing's best" in rmla.report(rmla.summarise(runs))
 
 
 def test_intervals_are_student_t_with_the_seeds_values():
@@ -287,6 +296,8 @@ def test_shapes_per_task_and_the_shared_arms(tmp_path):
         and rml.arm_shape("grpo", smoke=True, task="passage_table")["prompts"] == rml.SMOKE["prompts"]
     )
     assert rml.ARMS["grpo_shared"]["shared_prompt_forward"] and not rml.ARMS["grpo_shared"]["cost_aware"]
+    assert rml.arm_shape("grpo_shared_4x8", task="passage_table")["prompts"] == 2
+    assert rml.ARMS["filter_only_shared"] == {**rml.ARMS["filter_only"], "shared_prompt_forward": True}
     out, res = str(tmp_path / "out"), str(tmp_path / "res")
     rml.main(["--smoke", "--task", "passage_table", "--out", out, "--results", res, "--seeds", "0", "--no-analyse",
               "--arms", "grpo_shared", "--steps", "1"])  # fmt: skip
