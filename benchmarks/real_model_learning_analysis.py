@@ -2,6 +2,7 @@
 
     python benchmarks/real_model_learning.py --analyse              # reads <results>/runs/*.json
     python benchmarks/real_model_learning_analysis.py [RESULTS_DIR]  # the same
+    python benchmarks/real_model_learning_analysis.py RESULTS_DIR --baseline grpo_shared  # ratios to another arm
 
 Writes ``summary.json``, ``summary.md`` and ``curves.png`` into the results folder. Plain functions on the run
 records (`real_model_learning.train`'s result files):
@@ -188,9 +189,11 @@ def price(cross: dict, ref: dict, rows: float, ref_rows: float, share: float, al
     return weights.compute(cross["generated_tokens"], cross["policy_tokens"], rows)
 
 
-def frontier(runs: dict, curves: dict, target: float, shares: list[float], alphas: list[float]) -> dict:
-    """For each generation share and α: every arm's compute to `target` per seed as a ratio to GRPO (arm `grpo`) of the
-    same seed, GRPO's best batch (the GRPO arm with the least mean ratio), and each arm's ratio to that batch."""
+def frontier(
+    runs: dict, curves: dict, target: float, shares: list[float], alphas: list[float], baseline: str = BASELINE
+) -> dict:
+    """For each generation share and α: every arm's compute to `target` per seed as a ratio to the `baseline` arm of
+    the same seed, GRPO's best batch (the GRPO arm with the least mean ratio), and each arm's ratio to that batch."""
     arms = sorted({a for a, _ in runs}, key=lambda a: (a not in GRPO_ARMS, a))
     out = {}
     for share in shares:
@@ -200,14 +203,14 @@ def frontier(runs: dict, curves: dict, target: float, shares: list[float], alpha
             for arm in arms:
                 by_seed = {}
                 for (a, seed), run in runs.items():
-                    if a != arm or (BASELINE, seed) not in runs:
+                    if a != arm or (baseline, seed) not in runs:
                         continue
-                    ref = at_target(curves[(BASELINE, seed)], target)
+                    ref = at_target(curves[(baseline, seed)], target)
                     cross = at_target(curves[(arm, seed)], target)
                     if ref is None or cross is None:
                         by_seed[seed] = None
                         continue
-                    cost = price(cross, ref, rows_per_step(run), rows_per_step(runs[(BASELINE, seed)]), share, alpha)
+                    cost = price(cross, ref, rows_per_step(run), rows_per_step(runs[(baseline, seed)]), share, alpha)
                     by_seed[seed] = None if cost is None else cost / ref["step"]
                 table[arm] = by_seed
             best = best_batch(table, GRPO_ARMS)
@@ -245,14 +248,18 @@ def _paired_ratio(by_seed: dict, best: dict | None) -> dict:
     return interval(values)
 
 
-def break_even_alpha(runs: dict, curves: dict, target: float, share: float, a: str, b: str) -> dict | None:
+def break_even_alpha(
+    runs: dict, curves: dict, target: float, share: float, a: str, b: str, baseline: str = BASELINE
+) -> dict | None:
     """Where arms `a` and `b` cost the same (mean ratio to GRPO over their common seeds) at generation share `share`:
     ``{"alpha": α in [0, 1] by bisection on the sign of the difference, or None when one is cheaper at every α,
     "cheaper_below": the arm that costs less below that α (at every α when there is none)}``; None when an arm is
     missing."""
 
     def gap(alpha):
-        t = frontier({k: v for k, v in runs.items() if k[0] in (a, b, BASELINE)}, curves, target, [share], [alpha])
+        t = frontier(
+            {k: v for k, v in runs.items() if k[0] in (a, b, baseline)}, curves, target, [share], [alpha], baseline
+        )
         row = next(iter(t.values()))["arms"]
         if a not in row or b not in row:
             return None
@@ -367,22 +374,28 @@ def generation_side(runs: list[dict], window: int = 5) -> dict:
 
 
 # ====================================================================================================== the summary
-def summarise(runs: dict[tuple[str, int], dict]) -> dict:
+def summarise(runs: dict[tuple[str, int], dict], baseline: str = BASELINE) -> dict:
+    """Every table and figure's numbers, each arm as a ratio to the `baseline` arm of the same seed."""
     from trl_costaware.tracking.compare.compute import SPLITS as SPLIT_TABLE
     from trl_costaware.tracking.compare.compute import token_weights
 
-    arms = sorted({a for a, _ in runs}, key=lambda a: (a != BASELINE, a))
-    base_seeds = sorted(s for a, s in runs if a == BASELINE)
+    arms = sorted({a for a, _ in runs}, key=lambda a: (a != baseline, a))
+    base_seeds = sorted(s for a, s in runs if a == baseline)
     curves: dict[tuple[str, int], list[dict]] = {}
     for (arm, seed), run in runs.items():
-        ref = runs.get((BASELINE, seed))
+        ref = runs.get((baseline, seed))
         weights = {}
         if ref is not None:
             gen, pol = step_rate(ref)
             weights = {name: token_weights(SPLIT_TABLE[name], gen, pol) for name in SPLITS}
         curves[(arm, seed)] = curve(run, weights)
-    out: dict = {"arms": arms, "seeds": {a: sorted(s for b, s in runs if b == a) for a in arms}, "curves": {}}
-    first = ([run for (arm, _), run in runs.items() if arm == BASELINE] or list(runs.values()))[0]
+    out: dict = {
+        "baseline": baseline,
+        "arms": arms,
+        "seeds": {a: sorted(s for b, s in runs if b == a) for a in arms},
+        "curves": {},
+    }
+    first = ([run for (arm, _), run in runs.items() if arm == baseline] or list(runs.values()))[0]
     shape = first.get("shape", {"prompts": 8, "generations": 8})
     out["task"] = first.get("task", "times_table")
     out["baseline_shape"] = f"{shape['prompts']} x {shape['generations']}"
@@ -390,14 +403,14 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
         out["curves"][f"{arm}__s{seed}"] = pts
     if not base_seeds:
         return out
-    start = sum(curves[(BASELINE, s)][0]["score"] for s in base_seeds) / len(base_seeds)
-    end = sum(curves[(BASELINE, s)][-1]["score"] for s in base_seeds) / len(base_seeds)
+    start = sum(curves[(baseline, s)][0]["score"] for s in base_seeds) / len(base_seeds)
+    end = sum(curves[(baseline, s)][-1]["score"] for s in base_seeds) / len(base_seeds)
     out["start"], out["grpo_end"] = start, end
     out["grpo_gain"] = interval(
-        [curves[(BASELINE, s)][-1]["score"] - curves[(BASELINE, s)][0]["score"] for s in base_seeds]
+        [curves[(baseline, s)][-1]["score"] - curves[(baseline, s)][0]["score"] for s in base_seeds]
     )
-    out["grpo_end_greedy"] = interval([curves[(BASELINE, s)][-1]["greedy"] for s in base_seeds])
-    out["start_greedy"] = curves[(BASELINE, base_seeds[0])][0]["greedy"]
+    out["grpo_end_greedy"] = interval([curves[(baseline, s)][-1]["greedy"] for s in base_seeds])
+    out["start_greedy"] = curves[(baseline, base_seeds[0])][0]["greedy"]
     xs = ["step", "policy_tokens", "seconds", "cpu_seconds"] + [f"compute_{k}" for k in SPLITS]
     out["targets"] = {}
     for frac in TARGET_FRACTIONS:
@@ -409,19 +422,19 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
                 costs, ratios = {}, []
                 for seed in out["seeds"][arm]:
                     if x.startswith("compute_"):  # priced per token, calibrated on GRPO's steps up to the target
-                        ref = at_target(curves[(BASELINE, seed)], target) if (BASELINE, seed) in curves else None
+                        ref = at_target(curves[(baseline, seed)], target) if (baseline, seed) in curves else None
                         cross = at_target(curves[(arm, seed)], target)
                         share = SPLIT_TABLE[x[len("compute_") :]].generation
                         c = None
                         if ref is not None and cross is not None:  # a GRPO run of this seed, both at the target
-                            rows, ref_rows = rows_per_step(runs[(arm, seed)]), rows_per_step(runs[(BASELINE, seed)])
+                            rows, ref_rows = rows_per_step(runs[(arm, seed)]), rows_per_step(runs[(baseline, seed)])
                             c = price(cross, ref, rows, ref_rows, share, 1.0)
                         b = None if ref is None else ref["step"]
                     else:
                         c = cost_to(curves[(arm, seed)], target, x)
-                        b = cost_to(curves[(BASELINE, seed)], target, x) if (BASELINE, seed) in curves else None
+                        b = cost_to(curves[(baseline, seed)], target, x) if (baseline, seed) in curves else None
                     costs[seed] = c
-                    if (BASELINE, seed) in curves:
+                    if (baseline, seed) in curves:
                         ratios.append(c / b if c is not None and b else None)
                 row[x] = {
                     "by_seed": costs,
@@ -431,14 +444,16 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
             table[arm] = row
         out["targets"][f"{frac:g}"] = {"target": target, "arms": table}
     target = out["targets"][f"{TARGET_FRACTIONS[0]:g}"]["target"]
-    out["frontier"] = frontier(runs, curves, target, [SPLIT_TABLE[k].generation for k in SPLITS], FRONTIER_ALPHAS)
+    out["frontier"] = frontier(
+        runs, curves, target, [SPLIT_TABLE[k].generation for k in SPLITS], FRONTIER_ALPHAS, baseline
+    )
     out["frontier_sweep"] = {
         key: {a: v["ratio"]["mean"] for a, v in t["arms"].items()}
-        for key, t in frontier(runs, curves, target, SWEEP_SHARES, FRONTIER_ALPHAS).items()
+        for key, t in frontier(runs, curves, target, SWEEP_SHARES, FRONTIER_ALPHAS, baseline).items()
     }
     out["break_even_alpha"] = {
         smaller: {
-            f"{share:g}": break_even_alpha(runs, curves, target, share, ROW_STAGE, smaller)
+            f"{share:g}": break_even_alpha(runs, curves, target, share, ROW_STAGE, smaller, baseline)
             for share in BREAK_EVEN_SHARES
         }
         for smaller in SMALLER_BATCHES
@@ -449,7 +464,7 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
         for seed in out["seeds"][arm]:
             pts = curves[(arm, seed)]
             ends.append(pts[-1]["score"])
-            ref = curves.get((BASELINE, seed))
+            ref = curves.get((baseline, seed))
             if ref is None:
                 continue
             d_steps.append(pts[-1]["score"] - ref[-1]["score"])
@@ -479,7 +494,7 @@ def summarise(runs: dict[tuple[str, int], dict]) -> dict:
     eval_s = sum(r["eval"]["eval_s"] for run in runs.values() for r in run["steps"] if "eval" in r)
     train_s = sum(r["step_s"] for run in runs.values() for r in run["steps"])
     out["core_hours"] = {"train": train_s / 3600, "eval": eval_s / 3600, "total": (train_s + eval_s) / 3600}
-    out["generation_side"] = generation_side([runs[(BASELINE, s)] for s in base_seeds])
+    out["generation_side"] = generation_side([runs[(baseline, s)] for s in base_seeds])
     return out
 
 
@@ -508,7 +523,8 @@ def largest_fall(points: list[dict]) -> float:
 def between_arms(s: dict, curves: dict) -> dict:
     """Each pair (a, b) of non-GRPO arms, paired by seed: b − a in the ratio to GRPO of steps and compute to each
     target, and in the score at the last step; negative cost differences mean b cost less."""
-    arms = [a for a in s["arms"] if a != BASELINE]
+    baseline = s.get("baseline", BASELINE)
+    arms = [a for a in s["arms"] if a != baseline]
     out = {}
     for i, a in enumerate(arms):
         for b in arms[i + 1 :]:
@@ -519,7 +535,7 @@ def between_arms(s: dict, curves: dict) -> dict:
                     diffs = []
                     for seed in seeds:
                         ca, cb = t["arms"][a][x]["by_seed"][seed], t["arms"][b][x]["by_seed"][seed]
-                        base = t["arms"][BASELINE][x]["by_seed"].get(seed) if BASELINE in t["arms"] else None
+                        base = t["arms"][baseline][x]["by_seed"].get(seed) if baseline in t["arms"] else None
                         diffs.append((cb - ca) / base if None not in (ca, cb, base) and base else None)
                     row[f"{x}@{frac}"] = interval(diffs)
             row["end_score"] = interval([curves[(b, sd)][-1]["score"] - curves[(a, sd)][-1]["score"] for sd in seeds])
@@ -538,8 +554,15 @@ def _iv(iv: dict, fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(iv['mean'])} [{fmt.format(iv['lo'])}, {fmt.format(iv['hi'])}] ({vals})"
 
 
+def baseline_name(s: dict) -> str:
+    """How the report names the arm every ratio is taken to: "GRPO" for `grpo`, else the arm's name."""
+    baseline = s.get("baseline", BASELINE)
+    return "GRPO" if baseline == BASELINE else f"`{baseline}`"
+
+
 def report(s: dict) -> str:
     task, shape = s.get("task", "times_table"), s.get("baseline_shape", "8 x 8")
+    ref = baseline_name(s)
     folder = "real_model_learning" if task == "times_table" else f"real_model_learning_{task}"
     lines = [f"# Learning benchmark on SmolLM2-135M-Instruct (task {task})", ""]
     lines.append(f"Command: `python benchmarks/real_model_learning.py --task {task}`; runs in")
@@ -554,7 +577,7 @@ def report(s: dict) -> str:
         return "\n".join(lines)
     lines += [
         "",
-        f"Held-out score (T = 1) at the start {s['start']:.3f} (greedy {s['start_greedy']:.3f}); GRPO's gain to its "
+        f"Held-out score (T = 1) at the start {s['start']:.3f} (greedy {s['start_greedy']:.3f}); {ref}'s gain to its "
         f"last step {_iv(s['grpo_gain'], '{:.3f}')}; greedy at the end {_iv(s['grpo_end_greedy'], '{:.3f}')}.",
         "",
     ]
@@ -562,15 +585,15 @@ def report(s: dict) -> str:
              "cpu_seconds": "CPU seconds"}  # fmt: skip
     names.update({f"compute_{k}": f"compute ({k})" for k in SPLITS})
     for frac, t in s["targets"].items():
-        lines.append(f"## Cost to the target: start + {float(frac):.0%} of GRPO's gain (score {t['target']:.3f})")
+        lines.append(f"## Cost to the target: start + {float(frac):.0%} of {ref}'s gain (score {t['target']:.3f})")
         lines.append("")
         lines.append(
-            f"Ratio to GRPO ({shape}) of the same seed: mean [95% t-interval over seeds] (per-seed values); not"
+            f"Ratio to {ref} ({shape}) of the same seed: mean [95% t-interval over seeds] (per-seed values); not"
         )
         lines.append(
             "reached: seeds that never reach it in the run. Compute: generation priced per generated token at"
         )
-        lines.append("the split's share of GRPO's step, calibrated on GRPO's steps up to the target. CPU seconds: the")
+        lines.append(f"the split's share of {ref}'s step, calibrated on its steps up to the target. CPU seconds: the")
         lines.append("run's own process time where recorded (one run per core), else the step clock.")
         lines.append("")
         lines.append("| arm | " + " | ".join(names[x] for x in names) + " | not reached |")
@@ -608,7 +631,7 @@ def report(s: dict) -> str:
             )
     if s["between_arms"]:
         lines += ["", "## Between arms, paired by seed", ""]
-        lines.append("b − a in the ratio to GRPO of the same seed (negative: b cost less), and in the score at the")
+        lines.append(f"b − a in the ratio to {ref} of the same seed (negative: b cost less), and in the score at the")
         lines.append("last step; mean [95% t-interval over seeds] (per-seed values). An interval that contains 0 is")
         lines.append("no detectable difference.")
         lines.append("")
@@ -679,14 +702,14 @@ def report(s: dict) -> str:
 
 
 def frontier_report(s: dict) -> list[str]:
-    """The frontier section: compute to the 80% target by pricing, against GRPO (arm `grpo`) and GRPO's best batch."""
+    """The frontier section: compute to the 80% target by pricing, against the baseline arm and GRPO's best batch."""
     if not s.get("frontier"):
         return []
     lines = ["", f"## The frontier: compute to start + {TARGET_FRACTIONS[0]:.0%} of GRPO's gain, by pricing", ""]
-    shape = s.get("baseline_shape", "8 x 8")
-    lines.append(f"Generation share s of GRPO's ({shape}) step, calibrated on its steps up to the target; generation")
+    shape, ref = s.get("baseline_shape", "8 x 8"), baseline_name(s)
+    lines.append(f"Generation share s of {ref}'s ({shape}) step, calibrated on its steps up to the target; generation")
     lines.append("time ∝ (rows generated per step)^α (α = 1: per generated token; α = 0: fixed per step;")
-    lines.append(f"{PUBLISHED_ALPHA:g}: PODS' published curve); the rest per policy token. Per arm: ratio to GRPO")
+    lines.append(f"{PUBLISHED_ALPHA:g}: PODS' published curve); the rest per policy token. Per arm: ratio to {ref}")
     lines.append(f"({shape}), and to GRPO at its best batch (the GRPO arm with the least mean ratio at that pricing),")
     lines.append("paired by seed: mean [95% t-interval] (per-seed values).")
     lines.append("")
@@ -694,7 +717,7 @@ def frontier_report(s: dict) -> list[str]:
     if shared:
         lines.append("With sharing: the same against GRPO with `shared_prompt_forward` at its best batch.")
         lines.append("")
-    head = f"| pricing | GRPO's best batch | arm | ratio to GRPO {shape} | ratio to GRPO's best batch |"
+    head = f"| pricing | GRPO's best batch | arm | ratio to {ref} {shape} | ratio to GRPO's best batch |"
     lines.append(head + (" GRPO with sharing's best | ratio to it |" if shared else ""))
     lines.append("|---|---|---|---|---|" + ("---|---|" if shared else ""))
     for t in s["frontier"].values():
@@ -761,7 +784,7 @@ def plot_frontier(s: dict, path: str) -> None:
         ax.set_title(f"α = {alpha:g} ({note})", fontsize=10)
         ax.set_xlabel("generation share of GRPO's step")
         ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"compute to {TARGET_FRACTIONS[0]:.0%} of GRPO's gain / GRPO 8x8's")
+    axes[0].set_ylabel(f"compute to {TARGET_FRACTIONS[0]:.0%} of the gain / {s.get('baseline', BASELINE)}'s")
     axes[0].legend(fontsize=7)
     lines = [f"{ROW_STAGE} vs {smaller}: {_break_even(v)}" for smaller, v in s.get("break_even_alpha", {}).items()]
     fig.suptitle("When the row stage pays (dashed: GRPO at its batches)\n" + "\n".join(lines), fontsize=8)
@@ -808,19 +831,24 @@ def plot(s: dict, path: str) -> None:
     plt.close(fig)
 
 
-def analyse(results: str) -> dict:
+def analyse(results: str, baseline: str = BASELINE) -> dict:
+    """Writes summary.{json,md}, curves.png and frontier.png in `results` (with another `baseline`, each name with
+    ``_vs_<baseline>`` before its extension) and prints the summary."""
     runs = load_runs(results)
     if not runs:
         raise SystemExit(f"no finished run in {os.path.join(results, 'runs')}")
-    s = summarise(runs)
+    if not any(arm == baseline for arm, _ in runs):
+        raise SystemExit(f"--baseline {baseline}: no finished run of that arm in {os.path.join(results, 'runs')}")
+    s = summarise(runs, baseline)
     s["reevaluations"] = load_reevaluations(results)
-    with open(os.path.join(results, "summary.json"), "w", encoding="utf-8") as fh:
+    suffix = "" if baseline == BASELINE else f"_vs_{baseline}"
+    with open(os.path.join(results, f"summary{suffix}.json"), "w", encoding="utf-8") as fh:
         json.dump(s, fh, indent=1)
     md = report(s)
-    with open(os.path.join(results, "summary.md"), "w", encoding="utf-8") as fh:
+    with open(os.path.join(results, f"summary{suffix}.md"), "w", encoding="utf-8") as fh:
         fh.write(md + "\n")
-    plot(s, os.path.join(results, "curves.png"))
-    plot_frontier(s, os.path.join(results, "frontier.png"))
+    plot(s, os.path.join(results, f"curves{suffix}.png"))
+    plot_frontier(s, os.path.join(results, f"frontier{suffix}.png"))
     print(md)
     return s
 
@@ -830,7 +858,14 @@ def main(argv=None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", nargs="?", default=RESULTS_DIR, help="the results folder (default %(default)s)")
-    analyse(parser.parse_args(argv).results)
+    parser.add_argument(
+        "--baseline",
+        default=BASELINE,
+        help="the arm every ratio is taken to, seed by seed (default %(default)s; e.g. grpo_shared, whose runs are "
+        "GRPO's trajectories at fewer tokens); files get a _vs_<arm> suffix",
+    )
+    args = parser.parse_args(argv)
+    analyse(args.results, args.baseline)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,31 @@ def test_costs_to_the_target_and_ratios_on_a_recorded_log(tmp_path):
     assert "slow" in rmla.report(s)
 
 
+def test_ratios_to_another_baseline_arm_and_their_files(tmp_path):
+    """--baseline grpo_shared: every ratio is taken to that arm of the same seed, its seeds define the target (GRPO
+    without it may miss seeds), and the files get a suffix; an arm with no run is refused."""
+    runs = {("grpo", 0): _record("grpo", 0, [0.1, 0.5, 0.9], 1000, 2000, 10.0)}
+    for seed in range(2):
+        runs[("grpo_shared", seed)] = _record("grpo_shared", seed, [0.1, 0.5, 0.9], 1000, 1000, 4.0)
+        runs[("arm", seed)] = _record("arm", seed, [0.1, 0.3, 0.5, 0.7, 0.9], 1000, 500, 3.0)
+    s = rmla.summarise(runs, baseline="grpo_shared")
+    t = s["targets"]["0.8"]["arms"]
+    assert s["baseline"] == "grpo_shared" and s["arms"][0] == "grpo_shared"
+    assert t["arm"]["step"]["ratio"]["values"] == pytest.approx([2.0, 2.0])  # both seeds, not only GRPO's seed 0
+    assert t["arm"]["seconds"]["ratio"]["mean"] == pytest.approx(16 * 3.0 / (8 * 4.0))
+    assert t["grpo"]["policy_tokens"]["ratio"]["values"] == pytest.approx([2.0])
+    assert "Ratio to `grpo_shared` (8 x 8)" in rmla.report(s)
+    res = tmp_path / "res"
+    os.makedirs(res / "runs")
+    for (arm, seed), run in runs.items():
+        (res / "runs" / f"{arm}__s{seed}.json").write_text(json.dumps(run))
+    rmla.main([str(res), "--baseline", "grpo_shared"])
+    assert json.loads((res / "summary_vs_grpo_shared.json").read_text())["baseline"] == "grpo_shared"
+    assert (res / "frontier_vs_grpo_shared.png").exists() and not (res / "summary.md").exists()
+    with pytest.raises(SystemExit, match="--baseline grpo_4x8"):
+        rmla.main([str(res), "--baseline", "grpo_4x8"])
+
+
 def test_arms_are_compared_paired_by_seed_and_a_fall_is_measured():
     runs = {}
     for seed in range(3):
