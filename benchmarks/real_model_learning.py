@@ -18,7 +18,8 @@ rollouts per generation batch and per optimizer step (4 micro-batches of 16 rows
 Arms (`ARMS`, every field explicit): ``grpo`` (``cost_aware=False``) and the row stage at kept 0.5 with the
 ``advantage``, ``loss_aware`` and ``uniform`` proxies, plain Horvitz-Thompson weights; GRPO's own alternatives, at
 another batch (`SHAPES`: ``grpo_4x8``, ``grpo_8x4``) or dropping only the rows without gradient (``filter_only``);
-and generating more to keep a subset (``loss_aware_0.25_8x16``). With each group's prompt run once in the update
+the row stage at GRPO's cheapest of those (``loss_aware_0.5_8x4``); and generating more to keep a subset
+(``loss_aware_0.25_8x16``). With each group's prompt run once in the update
 (``shared_prompt_forward``, for the passage task): ``grpo_shared`` (and at half the prompts, ``grpo_shared_4x8``),
 ``filter_only_shared``, and the row stage with the per-row and the grouped draw (``loss_aware_0.5_shared``,
 ``loss_aware_0.5_grouped``).
@@ -117,6 +118,8 @@ ARMS: dict[str, dict] = {
     "grpo_4x8": {"cost_aware": False},
     "grpo_8x4": {"cost_aware": False},
     "filter_only": {**KEPT_HALF, "cost_aware_kept_fraction": 1.0, "cost_aware_proxy": "advantage"},
+    # the row stage at GRPO's cheapest batch on times tables (8 prompts x 4)
+    "loss_aware_0.5_8x4": {**KEPT_HALF, "cost_aware_proxy": "loss_aware"},
     # generate more, keep a subset: the update of GRPO at 4 x 8 on rows drawn from four times as many
     "loss_aware_0.25_8x16": {**KEPT_HALF, "cost_aware_kept_fraction": 0.25, "cost_aware_proxy": "loss_aware"},
     # each group's prompt run once in the update (`shared_prompt_forward`: the same gradients, fewer tokens)
@@ -145,6 +148,7 @@ SHAPES: dict[str, tuple[int, int]] = {
     "grpo_4x8": (4, 8),
     "grpo_8x4": (8, 4),
     "grpo_shared_4x8": (4, 8),
+    "loss_aware_0.5_8x4": (8, 4),
     "loss_aware_0.25_8x16": (8, 16),
 }
 # A task's run where it differs from times tables'. Passage task: a GRPO step at 8 x 8 took 662 CPU s on this machine

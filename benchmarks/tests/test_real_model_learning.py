@@ -294,6 +294,8 @@ def test_smoke_new_arms_run_at_their_shapes(tmp_path):
         assert row["cpu_s"] > 0 and row["load"] >= 0, arm
         assert _run(res, arm)["cores"], arm
     assert rml.arm_shape("grpo_8x4")["generations"] == 4 and rml.arm_shape("grpo_8x4", smoke=True)["generations"] == 2
+    assert rml.arm_shape("loss_aware_0.5_8x4") == rml.arm_shape("grpo_8x4")
+    assert rml.ARMS["loss_aware_0.5_8x4"] == rml.ARMS["loss_aware_0.5"]
 
 
 def test_smoke_passage_task_logs_what_the_draw_keeps(tmp_path):
