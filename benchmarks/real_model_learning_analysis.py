@@ -531,7 +531,7 @@ def between_arms(s: dict, curves: dict) -> dict:
             seeds = sorted(set(s["seeds"][a]) & set(s["seeds"][b]))
             row: dict = {"seeds": seeds}
             for frac, t in s["targets"].items():
-                for x in ("step", "compute_gpu", "compute_gpu_gen77"):
+                for x in ("step", "cpu_seconds", "compute_gpu", "compute_gpu_gen77"):
                     diffs = []
                     for seed in seeds:
                         ca, cb = t["arms"][a][x]["by_seed"][seed], t["arms"][b][x]["by_seed"][seed]
@@ -635,7 +635,8 @@ def report(s: dict) -> str:
         lines.append("last step; mean [95% t-interval over seeds] (per-seed values). An interval that contains 0 is")
         lines.append("no detectable difference.")
         lines.append("")
-        measures = (("step", "steps"), ("compute_gpu", "compute (gpu)"), ("compute_gpu_gen77", "compute (gpu_gen77)"))
+        measures = (("step", "steps"), ("cpu_seconds", "CPU seconds"), ("compute_gpu", "compute (gpu)"),
+                    ("compute_gpu_gen77", "compute (gpu_gen77)"))  # fmt: skip
         cols = [(f"{x}@{f}", f"{n} to {float(f):.0%}") for f in s["targets"] for x, n in measures]
         lines.append("| b − a | seeds | " + " | ".join(n for _, n in cols) + " | score at the end |")
         lines.append("|---|---|" + "---|" * (len(cols) + 1))

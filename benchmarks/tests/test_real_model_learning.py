@@ -197,6 +197,8 @@ def test_arms_are_compared_paired_by_seed_and_a_fall_is_measured():
     # to 0.74: a at step 8 (as GRPO), b at step 16: b - a = +1.0 of GRPO's steps on every seed
     assert row["step@0.8"]["values"] == pytest.approx([1.0, 1.0, 1.0])
     assert row["step@0.8"]["lo"] == pytest.approx(1.0) and row["step@0.8"]["hi"] == pytest.approx(1.0)
+    # CPU seconds (the step clock where a record has none): (16 - 8) steps x 6 s over GRPO's 8 x 10 s
+    assert row["cpu_seconds@0.8"]["values"] == pytest.approx([0.6, 0.6, 0.6])
     # last scores: b 0.9 against a 0.7 / 0.9 / 0.9
     assert row["end_score"]["values"] == pytest.approx([0.2, 0.0, 0.0])
     assert "b - a" in rmla.report(s) and "Between arms" in rmla.report(s)
