@@ -21,8 +21,8 @@ another batch (`SHAPES`: ``grpo_4x8``, ``grpo_8x4``) or dropping only the rows w
 the row stage at GRPO's cheapest of those (``loss_aware_0.5_8x4``); and generating more to keep a subset
 (``loss_aware_0.25_8x16``). With each group's prompt run once in the update
 (``shared_prompt_forward``, for the passage task): ``grpo_shared`` (and at half the prompts, ``grpo_shared_4x8``),
-``filter_only_shared``, and the row stage with the per-row and the grouped draw (``loss_aware_0.5_shared``,
-``loss_aware_0.5_grouped``).
+``filter_only_shared``, and the row stage (``loss_aware_0.5_shared``, ``advantage_0.5_shared``). The grouped draw's
+records (``loss_aware_0.5_grouped``) ran at package commit 8c2478c, whose draw was since removed.
 
 Tasks (`TASKS`): times tables (prompts of about 40 tokens) and the passage task (the same question behind 1 to 38
 notes, about 75 to 800 tokens: `trl_costaware.embedded.passage_table`).
@@ -132,16 +132,9 @@ ARMS: dict[str, dict] = {
         "cost_aware_proxy": "advantage",
         "shared_prompt_forward": True,
     },
-    # the row stage with sharing: the per-row draw (each row priced prompt + completion; a cost callable keeps the
-    # draw of package commits before the grouped one), and the grouped draw (a group's prompt priced once, its rows
-    # nested: `shared_prompt_scores`, `nested_order`)
-    "loss_aware_0.5_shared": {
-        **KEPT_HALF,
-        "cost_aware_proxy": "loss_aware",
-        "shared_prompt_forward": True,
-        "cost_aware_cost": "trl_costaware.rows.sampling:sequence_costs",
-    },
-    "loss_aware_0.5_grouped": {**KEPT_HALF, "cost_aware_proxy": "loss_aware", "shared_prompt_forward": True},
+    # the row stage with sharing (each row priced prompt + completion)
+    "loss_aware_0.5_shared": {**KEPT_HALF, "cost_aware_proxy": "loss_aware", "shared_prompt_forward": True},
+    "advantage_0.5_shared": {**KEPT_HALF, "cost_aware_proxy": "advantage", "shared_prompt_forward": True},
 }
 # Arms at another batch than the recipe's (prompts, rollouts per prompt) per step; the same 4 micro-batches.
 SHAPES: dict[str, tuple[int, int]] = {

@@ -17,8 +17,9 @@ Designs, over a batch's informative rows (A ≠ 0; the rest carry no policy grad
 - ``today_pc`` / ``today_c``: the package's draw (`sampling_distribution`, smoothing 0.1, `inclusion_probabilities`,
   `draw_systematic`) with c = prompt + completion or c = completion, m = 1 .. n; the expected shared cost of its
   touched groups by Monte Carlo over `DRAWS` draws;
-- ``today_grouped``: the package's draw with shared prompts (`shared_prompt_scores`, smoothing 0.1,
-  `inclusion_probabilities`, `draw_systematic` in `nested_order`), m = 1 .. n, cost by Monte Carlo as above;
+- ``today_grouped``: the grouped draw (package commit 8c2478c, since removed: RESULTS.md §0c): scores from §6's
+  water-filling without λ (`grouped_scores`), smoothing 0.1, `inclusion_probabilities`, the systematic draw in
+  `nested_order` (`nested_draw`), m = 1 .. n, cost by Monte Carlo as above;
 - ``at_runs_m``: at the passage runs' own kept count (m = 8, kept ½ of 4 × 4; batches with more informative rows),
   the grouped draw's expected shared cost and design variance over today's (c = prompt + completion);
 - ``today_pc_unshared``: today's draw (c = prompt + completion) without sharing, its cost a fraction of the
@@ -59,7 +60,6 @@ from trl_costaware.rows.sampling import (  # noqa: E402
     draw_systematic,
     inclusion_probabilities,
     sampling_distribution,
-    shared_prompt_scores,
 )
 
 RUNS = "benchmarks/results/real_model_learning_passage_table/runs/grpo*.json"
@@ -124,14 +124,48 @@ def variance(g: torch.Tensor, pi: torch.Tensor) -> float:
     return float((g**2 * (1 / pi.clamp(min=1e-12) - 1)).sum())
 
 
+def grouped_scores(batch: dict, g: torch.Tensor) -> torch.Tensor:
+    """The grouped draw's scores: §6's water-filling π without the multiplier (at a λ where no π reaches its cap, π is
+    the λ-free score over √λ, and a sampling distribution ignores the scale)."""
+    return nested_pi(batch, g, 1e12) * 1e6
+
+
+def nested_order(pi: torch.Tensor, groups: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """The grouped draw's row order: the groups in random order, stably sorted by their spread max π − min π; layer k
+    lists the k-th most probable row of every group with at least k rows, layers one after the other."""
+    ids = torch.unique(groups)
+    ids = ids[torch.randperm(len(ids), generator=generator)]
+    members = [(groups == i).nonzero().squeeze(1) for i in ids.tolist()]
+    spread = torch.tensor([float(pi[rows].max() - pi[rows].min()) for rows in members], dtype=torch.float64)
+    layers: list[list[int]] = []
+    for j in torch.argsort(spread, stable=True).tolist():
+        for k, row in enumerate(members[j][torch.argsort(pi[members[j]], descending=True, stable=True)].tolist()):
+            layers.extend([] for _ in range(k + 1 - len(layers)))
+            layers[k].append(row)
+    return torch.tensor([row for layer in layers for row in layer], dtype=torch.long)
+
+
+def nested_draw(p: torch.Tensor, m: int, generator: torch.Generator, groups: torch.Tensor) -> torch.Tensor:
+    """The rows the grouped draw keeps: `draw_systematic`'s points u + k over π laid out in `nested_order`."""
+    pi = inclusion_probabilities(p, m)
+    perm = nested_order(pi, groups, generator)
+    u = torch.rand((), generator=generator, dtype=torch.float64).item()
+    cum = torch.cumsum(pi[perm], 0)
+    cum = cum * (m / cum[-1])
+    points = u + torch.arange(m, dtype=torch.float64)
+    return perm[torch.searchsorted(cum, points, right=True).clamp(max=len(p) - 1)]
+
+
+def kept_rows(p: torch.Tensor, m: int, generator: torch.Generator, groups: torch.Tensor | None) -> torch.Tensor:
+    return draw_systematic(p, m, generator).indices if groups is None else nested_draw(p, m, generator, groups)
+
+
 def draw_distribution(batch: dict, g: torch.Tensor, cost_kind: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The package's sampling distribution (smoothing 0.1) for `cost_kind` ("pc", "c", "grouped"), and the groups the
     grouped draw nests (None otherwise)."""
     if cost_kind == "grouped":
         groups = batch["group"]
-        return sampling_distribution(
-            shared_prompt_scores(g, batch["prompt"] - 1, batch["n"] + 1, groups), SMOOTHING
-        ), groups
+        return sampling_distribution(grouped_scores(batch, g), SMOOTHING), groups
     c = batch["n"] + (batch["prompt"] if cost_kind == "pc" else 0)
     return sampling_distribution(g / c.sqrt(), SMOOTHING), None
 
@@ -141,7 +175,7 @@ def today_curve(
 ) -> list[tuple[float, float]]:
     """(expected cost, variance) of the package's fixed-size draw at m = 1 .. n; the cost with sharing (Monte Carlo)
     or, with `shared` False, without it (Σ π_i (P_i + n_i), exact). `cost_kind` "pc" (c = prompt + completion), "c"
-    (c = completion) or "grouped" (the draw with shared prompts: `shared_prompt_scores` and `nested_order`)."""
+    (c = completion) or "grouped" (`grouped_scores` and `nested_draw`)."""
     p, groups = draw_distribution(batch, g, cost_kind)
     n = len(g)
     curve = []
@@ -152,7 +186,7 @@ def today_curve(
             continue
         keep = torch.zeros(DRAWS, n, dtype=torch.bool)
         for d in range(DRAWS):
-            keep[d, draw_systematic(p, m, gen, groups=groups).indices] = True
+            keep[d, kept_rows(p, m, gen, groups)] = True
         curve.append((float(shared_cost(batch, keep).mean()), variance(g, pi)))
     return curve
 
@@ -252,7 +286,7 @@ def at_kept_count(batch: dict, g: torch.Tensor, m: int, gen: torch.Generator) ->
         p, groups = draw_distribution(batch, g, kind)
         keep = torch.zeros(DRAWS, len(g), dtype=torch.bool)
         for d in range(DRAWS):
-            keep[d, draw_systematic(p, m, gen, groups=groups).indices] = True
+            keep[d, kept_rows(p, m, gen, groups)] = True
         out[kind] = (float(shared_cost(batch, keep).mean()), variance(g, inclusion_probabilities(p, m)))
     return {"cost_ratio": out["grouped"][0] / out["pc"][0], "variance_ratio": out["grouped"][1] / out["pc"][1]}
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import math
 import re
@@ -269,23 +268,6 @@ def test_plan_settings_mirror_the_config():
         zero_advantage_carries_gradient=True,
         kept_multiple=2,
     )
-    shared = dict(shared_prompt_forward=True, cost_aware_kept_fraction=0.25)
-    assert PlanSettings.from_args(make_config(**shared), False, 1).shared_prompts
-    assert not PlanSettings.from_args(make_config(**shared, cost_aware_cost="completion"), False, 1).shared_prompts
-
-
-def test_shared_prompts_draw_whole_groups_and_change_nothing_without_them():
-    """With shared prompts, groups of equal advantages and lengths are kept whole (the prompt paid by fewer groups);
-    without, the plan is today's, given the same generator, whatever `groups` holds."""
-    adv = torch.tensor([1.0, -1.0, 1.0, -1.0]).repeat(4) * torch.tensor([3.0, 2.0, 1.0, 0.5]).repeat_interleave(4)
-    rows = dataclasses.replace(make_rows(adv, prompt=300.0), groups=torch.arange(4).repeat_interleave(4).float())
-    for seed in range(20):
-        kept = plan_batch(rows, ht_settings(shared_prompts=True), torch.Generator().manual_seed(seed)).indices
-        per_group = torch.bincount(kept // 4, minlength=4)
-        assert ((per_group == 0) | (per_group == 4)).all(), kept
-        plain = plan_batch(rows, ht_settings(), torch.Generator().manual_seed(seed)).indices
-        no_groups = plan_batch(make_rows(adv, prompt=300.0), ht_settings(), torch.Generator().manual_seed(seed))
-        assert torch.equal(plain, no_groups.indices)
 
 
 # ---------------------------------------------------------------- the weights' centre

@@ -216,10 +216,8 @@ def test_config_validates_the_field():
 
 
 # ---------------------------------------------------------------------------------------------------- the trainer
-# sgd: the weights move by the gradient itself (Adam's first step would amplify rounding into sign flips); the per-row
-# draw (a cost callable equal to the default cost), so that the shared run draws the rows the unshared run draws
+# sgd: the weights move by the gradient itself (Adam's first step would amplify rounding into sign flips)
 EXACT_RUN = dict(
-    cost_aware_cost="trl_costaware.rows.sampling:sequence_costs",
     optim="sgd",
     learning_rate=0.5,
     gradient_accumulation_steps=2,

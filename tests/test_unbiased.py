@@ -302,7 +302,7 @@ OPTIONS = {
     # β > 0 with a reference that differs from the policy: the KL term has a gradient (~0.3 ‖g‖ here); the target is
     # the policy term, which the weights make unbiased (the KL term is the kept rows' KL: `test_kl_term_*` below)
     "beta_perturbed_reference": dict(beta=0.1, perturbed_reference=0.05),
-    # the draw with shared prompts (`shared_prompt_scores`, rows nested by group); every loss type in `make test-all`
+    # the shared-prompt forward under the draw (its layout over the kept rows); every loss type in `make test-all`
     "shared_prompts": dict(shared_prompt_forward=True),
 }
 THREE_LOSSES = ("truncation_mask", "beta", "even_layout", "spg_2x_ga", "beta_perturbed_reference", "shared_prompts")
@@ -400,8 +400,8 @@ def test_matrix_controls_fail(warm_model_path, dataset, tmp_path, monkeypatch, c
     + [("dapo", "beta_perturbed_reference"), ("grpo", "shared_prompts"), ("dapo", "shared_prompts")],
 )
 def test_new_coverage_weights_one_control_fails(warm_model_path, dataset, tmp_path, monkeypatch, loss_type, name):
-    """The cases added for spg = 2 × GA, the second iteration and the perturbed reference see the same deliberate
-    error as the rest of the matrix: every weight forced to 1 is flagged."""
+    """The cases added for spg = 2 × GA, the second iteration, the perturbed reference and shared prompts see the
+    same deliberate error as the rest of the matrix: every weight forced to 1 is flagged."""
     trainer = make_trainer(warm_model_path, dataset, tmp_path, loss_type=loss_type, micro=2, **OPTIONS[name])
     _weights_forced_to_one(monkeypatch, trainer)
     r = run_case(fixed_case(trainer, dataset, monkeypatch), CHEAP_DRAWS)
@@ -423,7 +423,7 @@ def test_plain_statistic_sees_the_draw(warm_model_path, dataset, tmp_path, monke
 
 
 # ---------------------------------------------------------------- the matrix at full K (make test-all)
-# the shared-prompt draw for the loss types `make test` leaves out (it runs one of each normaliser family)
+# the shared-prompt forward for the loss types `make test` leaves out (it runs one of each normaliser family)
 MATRIX_FULL = MATRIX + [
     pytest.param(lt, 2, OPTIONS["shared_prompts"], id=f"{lt}-micro2-shared_prompts")
     for lt in LOSS_TYPES

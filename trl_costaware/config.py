@@ -102,9 +102,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             that leaves the step's gradient unchanged. Applies with `cost_aware=False` too. Refused at construction
             where it cannot be exact (an attention implementation other than `"sdpa"`/`"eager"`, sliding-window
             attention, a multimodal model, a router aux loss, PEFT prompt learning); a micro-batch it cannot lay out
-            (a completion mask with a hole, right-padded prompts) runs unshared, with a warning. With cost-aware
-            sampling and `cost_aware_cost="prompt_completion"`, the draw then prices a group's prompt once and keeps
-            a group's rows together (still unbiased: each row kept with its probability π_i).
+            (a completion mask with a hole, right-padded prompts) runs unshared, with a warning.
 
         > Parameters that control tracking
 
@@ -169,8 +167,7 @@ class CostAwareGRPOConfig(GRPOConfig):
             "help": "Run the rows of a micro-batch that share a prompt with that prompt once (policy, old-policy and "
             "reference passes; a 4D mask and per-row position ids: the same log-probs and gradients). Works with "
             "cost_aware=False. Refused where it cannot be exact (attention other than sdpa/eager, sliding window, "
-            "multimodal, router aux loss, PEFT prompt learning). With cost_aware_cost='prompt_completion' the draw "
-            "prices a group's prompt once and keeps a group's rows together."
+            "multimodal, router aux loss, PEFT prompt learning)."
         },
     )
     cost_aware_run_group: str | None = field(

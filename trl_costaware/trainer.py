@@ -373,7 +373,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
 
         `costs` come from the masks the loss sees (a row hidden by `mask_truncated_completions` costs its prompt
         only, and is outside the sampling support anyway); `rollout_lengths` = prompt + generated tokens, whatever the
-        masks; `groups` the prompt groups with `shared_prompt_forward` (one more host copy, of the prompt ids)."""
+        masks."""
         generated = self._generated_lengths(batch)
         prompt = batch["prompt_mask"].sum(-1)
         columns = {
@@ -385,10 +385,7 @@ class CostAwareGRPOTrainer(GRPOTrainer):
             "generated_tokens": generated.float(),
             "prompt_tokens": prompt.float(),
             "completion_tokens": batch["completion_mask"].sum(-1).float(),
-            "groups": torch.arange(len(prompt), device=prompt.device).float(),
         }
-        if self.args.shared_prompt_forward:
-            columns["groups"] = torch.tensor(shared_prompt.group_ids(batch), device=prompt.device).float()
         host = torch.stack([columns[name] for name in RowStats.names()], dim=1).cpu()
         return RowStats(*host.unbind(1))
 

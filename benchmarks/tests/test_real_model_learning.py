@@ -327,6 +327,8 @@ def test_shapes_per_task_and_the_shared_arms(tmp_path):
     assert rml.ARMS["grpo_shared"]["shared_prompt_forward"] and not rml.ARMS["grpo_shared"]["cost_aware"]
     assert rml.arm_shape("grpo_shared_4x8", task="passage_table")["prompts"] == 2
     assert rml.ARMS["filter_only_shared"] == {**rml.ARMS["filter_only"], "shared_prompt_forward": True}
+    for proxy in ("loss_aware", "advantage"):
+        assert rml.ARMS[f"{proxy}_0.5_shared"] == {**rml.ARMS[f"{proxy}_0.5"], "shared_prompt_forward": True}
     out, res = str(tmp_path / "out"), str(tmp_path / "res")
     rml.main(["--smoke", "--task", "passage_table", "--out", out, "--results", res, "--seeds", "0", "--no-analyse",
               "--arms", "grpo_shared", "--steps", "1"])  # fmt: skip

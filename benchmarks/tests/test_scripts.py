@@ -166,10 +166,19 @@ def test_shared_prompt_draw_smoke_and_nested_cost(tmp_path):
     g = spd.proxy(batch, "loss_aware")
     pi = spd.nested_pi(batch, g, 2e-3)
     assert ((pi > 0) & (pi <= 1)).all()
-    # the package's scores are this water-filling's π without the multiplier λ (where no π reaches the cap of 1)
-    scores = spd.shared_prompt_scores(g, batch["prompt"] - 1, batch["n"] + 1, batch["group"])
+    # the grouped draw's scores are this water-filling's π without the multiplier λ (where no π reaches the cap of 1),
+    # and its nested systematic draw keeps m rows, each with probability π_i
     small = spd.nested_pi(batch, g, 100.0)
-    assert small.max() < 1 and torch.allclose(scores / math.sqrt(100.0), small, rtol=1e-9)
+    assert small.max() < 1 and torch.allclose(spd.grouped_scores(batch, g) / math.sqrt(100.0), small, rtol=1e-9)
+    p, groups = spd.draw_distribution(batch, g, "grouped")
+    m, draws, gen = max(1, len(g) // 2), 4000, torch.Generator().manual_seed(1)
+    counts = torch.zeros(len(g), dtype=torch.float64)
+    for _ in range(draws):
+        kept = spd.nested_draw(p, m, gen, groups)
+        assert len(set(kept.tolist())) == m
+        counts[kept] += 1
+    marginal = spd.inclusion_probabilities(p, m)
+    assert ((counts / draws - marginal).abs() <= 4.5 * (marginal * (1 - marginal) / draws).sqrt() + 1e-9).all()
     u = torch.rand(20000, int(batch["group"].max()) + 1, generator=torch.Generator().manual_seed(0))
     keep = u[:, batch["group"].long()] < pi
     assert float(spd.shared_cost(batch, keep).mean()) == pytest.approx(spd.nested_point(batch, g, 2e-3)[0], rel=0.02)

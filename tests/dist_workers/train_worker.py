@@ -141,9 +141,6 @@ def main(argv=None) -> int:
         cost_aware_weight_normalization=args.weight_normalization,
         optim=args.optim,
         shared_prompt_forward=args.shared_prompt,
-        # with sharing, the per-row draw (a cost callable equal to the default cost) so that the run draws the rows the
-        # unshared run draws: the forward's exactness is what it compares
-        cost_aware_cost="trl_costaware.rows.sampling:sequence_costs" if args.shared_prompt else "prompt_completion",
         cost_aware=not args.plain,
     )
     peft_config = None

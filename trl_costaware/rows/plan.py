@@ -3,14 +3,12 @@
 `plan_batch(rows, settings, generator, collective) -> Plan` runs, in this order (docs/algorithm.md §2):
 
 1. eligibility: the rows that can carry gradient, S (`sampling.eligible_rows`);
-2. the sampling distribution p over S (`sampling.sampling_scores`, `sampling.sampling_distribution`; with shared
-   prompts `sampling.shared_prompt_scores`, which prices a group's prompt once);
+2. the sampling distribution p over S (`sampling.sampling_scores`, `sampling.sampling_distribution`);
 3. m, equal on every rank: a fixed fraction (`sampling.kept_row_count`) or a token budget (the largest m whose
    expected kept cost Σ π_i(m) c_i fits it, `sampling.kept_rows_for_token_budget`), smallest over ranks, then capped
    at what the busiest rank's eligible rows need (`sampling.capped_kept_count`);
-4. the systematic draw (`sampling.draw_systematic`; with shared prompts in `sampling.nested_order`); when this rank
-   has fewer eligible rows than m, the remaining slots go, for sure, to the cheapest rows the loss sees: FILLER rows,
-   which carry no policy gradient;
+4. the systematic draw (`sampling.draw_systematic`); when this rank has fewer eligible rows than m, the remaining
+   slots go, for sure, to the cheapest rows the loss sees: FILLER rows, which carry no policy gradient;
 5. the weights: the draw's unbiasing weights of the kept non-filler rows of all ranks, normalised together
    (`sampling.normalize_weights`) around the design's expected mean weight w̄₀ of those slots
    (`sampling.design_weight_terms`, summed over ranks: |S|/N on one rank, not 1, since rows outside S are never
@@ -37,13 +35,11 @@ from .sampling import (
     design_weight_terms,
     draw_systematic,
     eligible_rows,
-    gradient_proxy,
     kept_row_count,
     kept_rows_for_token_budget,
     normalize_weights,
     sampling_distribution,
     sampling_scores,
-    shared_prompt_scores,
 )
 
 
@@ -104,7 +100,7 @@ class RowStats:
     advantages A_i; costs c_i (the sampling cost); loss_tokens T_i (tokens the loss sees: completion × tool mask,
     after `mask_truncated_completions`); proxy_factors h_i (ones unless the "loss_aware" proxy); rollout_lengths
     (prompt + generated tokens, whatever the masks); generated_tokens; prompt_tokens and completion_tokens (the
-    attention masks' row sums: what a forward pass over the row costs); groups, read by the shared-prompt draw."""
+    attention masks' row sums: what a forward pass over the row costs)."""
 
     advantages: torch.Tensor
     costs: torch.Tensor
@@ -114,7 +110,6 @@ class RowStats:
     generated_tokens: torch.Tensor
     prompt_tokens: torch.Tensor
     completion_tokens: torch.Tensor
-    groups: torch.Tensor | None = None  # a prompt group id per row (`shared_prompt.group_ids`); None: one per row
 
     def __getitem__(self, key: str) -> torch.Tensor:
         return getattr(self, key)
@@ -140,7 +135,6 @@ class PlanSettings:
     steps_per_generation: int = 1
     zero_advantage_carries_gradient: bool = False
     kept_multiple: int = 1  # what m is rounded to (`layout.kept_multiple`)
-    shared_prompts: bool = False  # a group's prompt is paid once: `shared_prompt_scores`, `nested_order`
 
     def __post_init__(self):
         check_loss_type(self.loss_type)
@@ -157,7 +151,6 @@ class PlanSettings:
             steps_per_generation=args.steps_per_generation,
             zero_advantage_carries_gradient=zero_advantage_carries_gradient,
             kept_multiple=kept_multiple,
-            shared_prompts=args.shared_prompt_forward and args.cost_aware_cost == "prompt_completion",
         )
 
 
@@ -302,17 +295,10 @@ def plan_batch(
     advantages, costs, loss_tokens = rows.advantages, rows.costs, rows.loss_tokens
 
     eligible = eligible_rows(advantages, loss_tokens, s.zero_advantage_carries_gradient)
-    groups = None
-    if s.shared_prompts:
-        groups = torch.arange(n) if rows.groups is None else rows.groups
-    if groups is not None and s.proxy != "uniform":
-        proxy = gradient_proxy(advantages, rows.proxy_factors if s.proxy == "loss_aware" else None)
-        scores = shared_prompt_scores(proxy, rows.prompt_tokens, rows.completion_tokens, groups)
-    else:
-        scores = sampling_scores(advantages, costs, s.proxy, rows.proxy_factors)
+    scores = sampling_scores(advantages, costs, s.proxy, rows.proxy_factors)
     p = sampling_distribution(scores, s.smoothing, support=eligible)
     m = _kept_count(rows, s, p, eligible, collective)
-    draw = draw_systematic(drawn_distribution(p, eligible), m, generator, filler=filler_scores(rows), groups=groups)
+    draw = draw_systematic(drawn_distribution(p, eligible), m, generator, filler=filler_scores(rows))
     filler = ~eligible[draw.indices]
 
     # Normalise over the kept non-filler slots of all ranks (every rank has m slots, so the concatenation is even),

@@ -109,33 +109,6 @@ def sampling_scores(
     return torch.ones_like(costs)
 
 
-def shared_prompt_scores(
-    proxy: torch.Tensor, prompt_costs: torch.Tensor, row_costs: torch.Tensor, groups: torch.Tensor
-) -> torch.Tensor:
-    """Scores s_i (π ∝ s) for a draw in which a group's prompt is paid once if any of its rows is kept
-    (docs/algorithm.md §6). Minimising Σ_i G_i²/π_i subject to Σ_i π_i r_i + Σ_g P_g max_{i∈g} π_i fixed gives, per
-    group g with its rows sorted by G_i/√r_i (descending), a top set T_g sharing one score
-
-        s_i = t_g = √(Σ_{j∈T_g} G_j²) / √(P_g + Σ_{j∈T_g} r_j)     (i ∈ T_g: they pay the prompt together)
-        s_i = G_i / √r_i  < t_g                                     (the other rows: their own cost only)
-
-    T_g the largest prefix whose last row has G_i/√r_i ≥ t_g (at least one row). G = `proxy` (≥ 0), P_g the largest
-    `prompt_costs` of the group's rows, r = `row_costs`, both clamped to ≥ `MIN_COST`; `groups` a group id per row.
-    Nesting the rows of a group in the draw (`nested_order`) is what makes a group's prompt cost max_{i∈g} π_i."""
-    g = _clean(proxy).double().abs()
-    prompt, r = _clean_costs(prompt_costs).double(), _clean_costs(row_costs).double()
-    scores = torch.zeros_like(g)
-    for group in torch.unique(groups):
-        rows = (groups == group).nonzero().squeeze(1)
-        own = g[rows] / r[rows].sqrt()
-        order = torch.argsort(own, descending=True, stable=True)
-        rows, own = rows[order], own[order]
-        t = ((g[rows] ** 2).cumsum(0) / (prompt[rows].max() + r[rows].cumsum(0))).sqrt()
-        size = int((own >= t).nonzero().max()) + 1 if bool((own >= t).any()) else 1
-        scores[rows] = torch.minimum(own, t[size - 1])
-    return scores
-
-
 def eligible_rows(
     advantages: torch.Tensor, loss_tokens: torch.Tensor, zero_advantage_carries_gradient: bool
 ) -> torch.Tensor:
@@ -238,50 +211,19 @@ class Draw:
     probabilities: torch.Tensor  # (N,) the inclusion probabilities π the weights came from
 
 
-def nested_order(pi: torch.Tensor, groups: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """A row order for the systematic draw that nests the rows of a group: the groups in random order, then stably
-    sorted by their spread max π − min π (equal-π groups first); layer k lists the k-th most probable row (stable) of
-    every group with at least k rows, layers one after the other.
-
-    Row (g, k) starts at Σ_{j<k} L_j + o_g (L_j layer j's length Σ π, o_g the group's offset in layer k). When the
-    rows of each group share one π and every layer has the same, integer length (m a multiple of the group size), each
-    group's rows start at the same point modulo 1, so the draw keeps a group's rows all or none: the group is touched
-    with probability max π, the least its π allow. Otherwise the phases drift and groups are touched more often. Only
-    which rows go together depends on the order: each row is still kept with probability exactly π_i."""
-    ids = torch.unique(groups)
-    ids = ids[torch.randperm(len(ids), generator=generator)]
-    members = [(groups == i).nonzero().squeeze(1) for i in ids.tolist()]
-    spread = torch.tensor([float(pi[rows].max() - pi[rows].min()) for rows in members], dtype=torch.float64)
-    layers: list[list[int]] = []
-    for j in torch.argsort(spread, stable=True).tolist():
-        rows = members[j][torch.argsort(pi[members[j]], descending=True, stable=True)].tolist()
-        for k, row in enumerate(rows):
-            layers.extend([] for _ in range(k + 1 - len(layers)))
-            layers[k].append(row)
-    return torch.tensor([row for layer in layers for row in layer], dtype=torch.long)
-
-
 def draw_systematic(
-    p: torch.Tensor,
-    m: int,
-    generator: torch.Generator | None = None,
-    filler: torch.Tensor | None = None,
-    groups: torch.Tensor | None = None,
+    p: torch.Tensor, m: int, generator: torch.Generator | None = None, filler: torch.Tensor | None = None
 ) -> Draw:
     """Fixed-size systematic PPS draw of m distinct rows, Horvitz–Thompson weights w_i = m / (N π_i).
 
     π = inclusion_probabilities(p, m, filler); with one uniform u ∈ [0, 1), row i is kept when an integer-offset point
     u + k (k = 0..m−1) falls in (Π_{i−1}, Π_i], Π the cumulative sum of π. Each row is kept with probability
-    exactly π_i, so E[(1/m) Σ_kept w_i L_i] = (1/m) Σ_i π_i m L_i / (N π_i) = (1/N) Σ_i L_i, whatever the row order:
-    randomly permuted, so that which rows end up together does not depend on their order in the batch, or, with
-    `groups` (a group id per row), `nested_order`, so that the rows of a group are kept together.
+    exactly π_i, so E[(1/m) Σ_kept w_i L_i] = (1/m) Σ_i π_i m L_i / (N π_i) = (1/N) Σ_i L_i. The row order is
+    randomly permuted first so that which rows end up together does not depend on their order in the batch.
     """
     n = p.numel()
     pi = inclusion_probabilities(p, m, filler)
-    if groups is None:
-        perm = torch.randperm(n, generator=generator).to(pi.device)
-    else:
-        perm = nested_order(pi, groups, generator).to(pi.device)
+    perm = torch.randperm(n, generator=generator).to(pi.device)
     u = torch.rand((), generator=generator, dtype=torch.float64).item()
     cum = torch.cumsum(pi[perm], 0)
     cum = cum * (m / cum[-1])  # Σπ = m exactly, so the last point u + m − 1 < m always lands
